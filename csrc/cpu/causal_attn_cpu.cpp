@@ -1,0 +1,344 @@
+// CPU kernels: the chunked form of the causal product.
+//
+// Every pass (the forward and the three gradients) is one causal product
+//     out[t] = sum_{s<=t} (a[t] . b[s]) c[s]      (forward in time)
+//     out[t] = sum_{s>=t} (a[t] . b[s]) c[s]      (reverse in time)
+// computed a chunk of kChunk timesteps at a time: inside the chunk a masked product
+// mask(A B^T) C, across chunks a running state S = sum b[s] c[s]^T, so that
+//     out_chunk = mask(A B^T) C + A S,   then   S += B^T C.
+// The operands are packed per chunk into contiguous accumulation-dtype buffers, which is where
+// scale, dtype conversion, layout strides and the normalize terms are applied: the products
+// themselves are plain small GEMMs.
+#include <algorithm>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../causal_attn.h"
+#include "../ops.h"
+
+// The BLAS that torch links (MKL or OpenBLAS on Linux) exports these; declared weak so that a
+// torch without them still loads us, and small_gemm falls back to plain loops.
+extern "C" {
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+            const int* ldc) __attribute__((weak));
+void dgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const double* alpha,
+            const double* a, const int* lda, const double* b, const int* ldb, const double* beta, double* c,
+            const int* ldc) __attribute__((weak));
+}
+
+namespace fast_causal_attn {
+namespace {
+
+// Timesteps per chunk. The intra-chunk work grows with the chunk (kChunk * (Da + Dc) flops per
+// timestep) and the state update does not (2 * Da * Dc), while small GEMMs run far below the
+// BLAS peak: 64 was the fastest of 32 / 64 / 128 for E = M = 64 on the 2-core CI machine
+// (see benchmarks/RESULTS.md).
+constexpr int64_t kChunk = 64;
+// A column block narrower than this spends more on recomputing mask(A B^T) than it gains in
+// parallelism.
+constexpr int64_t kMinColumnsPerBlock = 32;
+
+// Row-major C = alpha * op(A) op(B) + beta * C on the column-major BLAS: the row-major product is
+// the column-major C^T = op(B)^T op(A)^T, so the operands swap and the transpose flags stay.
+template <typename acc_t>
+void blas_gemm(bool trans_a, bool trans_b, int m, int n, int k, acc_t alpha, const acc_t* a, int lda,
+               const acc_t* b, int ldb, acc_t beta, acc_t* c, int ldc);
+
+template <>
+void blas_gemm<float>(bool trans_a, bool trans_b, int m, int n, int k, float alpha, const float* a, int lda,
+                      const float* b, int ldb, float beta, float* c, int ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  sgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+template <>
+void blas_gemm<double>(bool trans_a, bool trans_b, int m, int n, int k, double alpha, const double* a, int lda,
+                       const double* b, int ldb, double beta, double* c, int ldc) {
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  dgemm_(&tb, &ta, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+template <typename acc_t>
+bool have_blas() {
+  return std::is_same<acc_t, float>::value ? sgemm_ != nullptr : dgemm_ != nullptr;
+}
+
+// C[m, n] = op(A)[m, k] op(B)[k, n] + beta * C, row-major, beta 0 or 1. Chunk-sized operands
+// only (at most kChunk x max(E, M) + 1), so int sizes are safe for the BLAS call.
+template <typename acc_t>
+void small_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const acc_t* a, int64_t lda,
+                const acc_t* b, int64_t ldb, acc_t beta, acc_t* c, int64_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (have_blas<acc_t>()) {
+    blas_gemm<acc_t>(trans_a, trans_b, int(m), int(n), int(k), acc_t(1), a, int(lda), b, int(ldb), beta, c,
+                     int(ldc));
+    return;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    acc_t* c_row = c + i * ldc;
+    if (beta == acc_t(0)) std::fill(c_row, c_row + n, acc_t(0));
+    for (int64_t p = 0; p < k; ++p) {
+      const acc_t a_ip = trans_a ? a[p * lda + i] : a[i * lda + p];
+      if (trans_b) {
+        for (int64_t j = 0; j < n; ++j) c_row[j] += a_ip * b[j * ldb + p];
+      } else {
+        const acc_t* b_row = b + p * ldb;
+        for (int64_t j = 0; j < n; ++j) c_row[j] += a_ip * b_row[j];
+      }
+    }
+  }
+}
+
+// Packed chunk operands and the running state of one causal product.
+template <typename acc_t>
+class ChunkedCausalProduct {
+ public:
+  ChunkedCausalProduct(int64_t a_cols, int64_t c_cols)
+      : da_(a_cols), dc_(c_cols), a_(kChunk * a_cols), b_(kChunk * a_cols), c_(kChunk * c_cols),
+        scores_(kChunk * kChunk), out_(kChunk * c_cols), state_(a_cols * c_cols, acc_t(0)) {}
+
+  acc_t* a_row(int64_t r) { return a_.data() + r * da_; }
+  acc_t* b_row(int64_t r) { return b_.data() + r * da_; }
+  acc_t* c_row(int64_t r) { return c_.data() + r * dc_; }
+  const acc_t* out_row(int64_t r) const { return out_.data() + r * dc_; }
+
+  // Walks L timesteps chunk by chunk (from the end when REVERSE): pack(t0, n) fills rows
+  // [0, n) of a, b, c with timesteps [t0, t0 + n); unpack(t0, n) reads the same rows of out.
+  template <bool REVERSE, class Pack, class Unpack>
+  void run(int64_t L, Pack&& pack, Unpack&& unpack) {
+    const int64_t chunks = (L + kChunk - 1) / kChunk;
+    for (int64_t i = 0; i < chunks; ++i) {
+      const int64_t t0 = (REVERSE ? chunks - 1 - i : i) * kChunk;
+      const int64_t n = std::min(kChunk, L - t0);
+      pack(t0, n);
+      step<REVERSE>(n);
+      unpack(t0, n);
+    }
+  }
+
+ private:
+  template <bool REVERSE>
+  void step(int64_t n) {
+    acc_t* scores = scores_.data();
+    small_gemm<acc_t>(false, true, n, n, da_, a_.data(), da_, b_.data(), da_, acc_t(0), scores, kChunk);
+    for (int64_t i = 0; i < n; ++i) {
+      acc_t* row = scores + i * kChunk;
+      if (REVERSE) {
+        std::fill(row, row + i, acc_t(0));
+      } else {
+        std::fill(row + i + 1, row + n, acc_t(0));
+      }
+    }
+    small_gemm<acc_t>(false, false, n, dc_, da_, a_.data(), da_, state_.data(), dc_, acc_t(0), out_.data(), dc_);
+    small_gemm<acc_t>(false, false, n, dc_, n, scores, kChunk, c_.data(), dc_, acc_t(1), out_.data(), dc_);
+    small_gemm<acc_t>(true, false, da_, dc_, n, b_.data(), da_, c_.data(), dc_, acc_t(1), state_.data(), dc_);
+  }
+
+  int64_t da_, dc_;
+  std::vector<acc_t> a_, b_, c_, scores_, out_, state_;
+};
+
+template <typename scalar_t, typename acc_t>
+void load_row(const scalar_t* src, int64_t n, acc_t multiplier, acc_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = multiplier * static_cast<acc_t>(src[i]);
+}
+
+template <typename scalar_t, typename acc_t>
+void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
+}
+
+// Column blocks of width D split so that there are enough (pair, block) work items for every
+// thread, but none narrower than kMinColumnsPerBlock.
+struct ColumnBlocks {
+  int64_t count, width;
+  ColumnBlocks(int64_t D, int64_t pairs) {
+    const int64_t wanted = (2 * at::get_num_threads() + pairs - 1) / pairs;
+    const int64_t most = (D + kMinColumnsPerBlock - 1) / kMinColumnsPerBlock;
+    count = std::max<int64_t>(1, std::min(wanted, most));
+    width = (D + count - 1) / count;
+    count = (D + width - 1) / width;
+  }
+};
+
+// One (batch, head) slice of a [B, H, L, D] operand.
+template <typename scalar_t>
+struct Rows {
+  scalar_t* base;
+  int64_t stride;
+  Rows(const StridedTensor& t, int64_t b, int64_t h)
+      : base(static_cast<scalar_t*>(t.ptr) + t.offset(b, h, 0)), stride(t.stride_l) {}
+  scalar_t* operator[](int64_t t) const { return base + t * stride; }
+};
+
+template <typename scalar_t>
+void forward_cpu_kernel(const ForwardParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t pairs = p.B * p.H;
+  const ColumnBlocks blocks(p.M, pairs);
+  const acc_t scale = static_cast<acc_t>(p.scale), eps = static_cast<acc_t>(p.eps);
+  at::parallel_for(0, pairs * blocks.count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t pair = item / blocks.count, b = pair / p.H, h = pair % p.H;
+      const int64_t m0 = (item % blocks.count) * blocks.width, mw = std::min(blocks.width, p.M - m0);
+      const Rows<const scalar_t> q(p.q, b, h), k(p.k, b, h), v(p.v, b, h);
+      const Rows<scalar_t> o(p.o, b, h);
+      acc_t* den = p.normalize ? static_cast<acc_t*>(p.den) + pair * p.L : nullptr;
+      // With normalize, c carries a column of ones: its output is the denominator's q' . sum k.
+      ChunkedCausalProduct<acc_t> prod(p.E, mw + p.normalize);
+      prod.template run<false>(
+          p.L,
+          [&](int64_t t0, int64_t n) {
+            for (int64_t r = 0; r < n; ++r) {
+              load_row(q[t0 + r], p.E, scale, prod.a_row(r));
+              load_row(k[t0 + r], p.E, acc_t(1), prod.b_row(r));
+              load_row(v[t0 + r] + m0, mw, acc_t(1), prod.c_row(r));
+              if (p.normalize) prod.c_row(r)[mw] = acc_t(1);
+            }
+          },
+          [&](int64_t t0, int64_t n) {
+            for (int64_t r = 0; r < n; ++r) {
+              const acc_t* out = prod.out_row(r);
+              scalar_t* dst = o[t0 + r] + m0;
+              if (p.normalize) {
+                const acc_t d = out[mw] + eps;
+                for (int64_t j = 0; j < mw; ++j) dst[j] = static_cast<scalar_t>(out[j] / d);
+                if (m0 == 0) den[t0 + r] = d;
+              } else {
+                store_row(out, mw, acc_t(1), dst);
+              }
+            }
+          });
+    }
+  });
+}
+
+// The backward's three passes, as work items over (pass, batch, head, column block).
+template <typename scalar_t>
+void backward_cpu_kernel(const BackwardParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t pairs = p.B * p.H;
+  const ColumnBlocks e_blocks(p.E, pairs), m_blocks(p.M, pairs);
+  const int64_t dq_items = pairs * e_blocks.count, dk_items = dq_items, dv_items = pairs * m_blocks.count;
+  const acc_t scale = static_cast<acc_t>(p.scale);
+  const int64_t M = p.M, Mg = p.M + p.normalize;  // width of [g, c] and of [v, 1]
+
+  at::parallel_for(0, dq_items + dk_items + dv_items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      int64_t kind = 0, local = item;  // 0: dq, 1: dk, 2: dv
+      if (local >= dq_items) { kind = 1; local -= dq_items; }
+      if (kind == 1 && local >= dk_items) { kind = 2; local -= dk_items; }
+      const ColumnBlocks& blocks = kind == 2 ? m_blocks : e_blocks;
+      const int64_t pair = local / blocks.count, b = pair / p.H, h = pair % p.H;
+      const int64_t c0 = (local % blocks.count) * blocks.width;
+      const int64_t cw = std::min(blocks.width, (kind == 2 ? p.M : p.E) - c0);
+      const Rows<const scalar_t> q(p.q, b, h), k(p.k, b, h), v(p.v, b, h), dout(p.dout, b, h), o(p.o, b, h);
+      const acc_t* den = p.normalize ? static_cast<const acc_t*>(p.den) + pair * p.L : nullptr;
+
+      // [g, c][t] with g = dO / den and c = -(g . O) when normalize; plain dO otherwise.
+      auto load_grad = [&](int64_t t, acc_t* dst, bool with_c) {
+        if (!p.normalize) {
+          load_row(dout[t], M, acc_t(1), dst);
+          return;
+        }
+        load_row(dout[t], M, acc_t(1) / den[t], dst);
+        if (with_c) {
+          acc_t dot = 0;
+          const scalar_t* o_t = o[t];
+          for (int64_t j = 0; j < M; ++j) dot += dst[j] * static_cast<acc_t>(o_t[j]);
+          dst[M] = -dot;
+        }
+      };
+      auto load_v_ones = [&](int64_t t, acc_t* dst) {
+        load_row(v[t], M, acc_t(1), dst);
+        if (p.normalize) dst[M] = acc_t(1);
+      };
+
+      if (kind == 0) {  // dq = scale * sum_{s<=t} ([g, c][t] . [v, 1][s]) k[s]
+        ChunkedCausalProduct<acc_t> prod(Mg, cw);
+        const Rows<scalar_t> dq(p.dq, b, h);
+        prod.template run<false>(
+            p.L,
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) {
+                load_grad(t0 + r, prod.a_row(r), true);
+                load_v_ones(t0 + r, prod.b_row(r));
+                load_row(k[t0 + r] + c0, cw, acc_t(1), prod.c_row(r));
+              }
+            },
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, scale, dq[t0 + r] + c0);
+            });
+      } else if (kind == 1) {  // dk = sum_{t>=s} ([v, 1][s] . [g, c][t]) q'[t]
+        ChunkedCausalProduct<acc_t> prod(Mg, cw);
+        const Rows<scalar_t> dk(p.dk, b, h);
+        prod.template run<true>(
+            p.L,
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) {
+                load_v_ones(t0 + r, prod.a_row(r));
+                load_grad(t0 + r, prod.b_row(r), true);
+                load_row(q[t0 + r] + c0, cw, scale, prod.c_row(r));
+              }
+            },
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dk[t0 + r] + c0);
+            });
+      } else {  // dv = sum_{t>=s} (k[s] . q'[t]) g[t]
+        ChunkedCausalProduct<acc_t> prod(p.E, cw);
+        const Rows<scalar_t> dv(p.dv, b, h);
+        std::vector<acc_t> grad_row(Mg);
+        prod.template run<true>(
+            p.L,
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) {
+                load_row(k[t0 + r], p.E, acc_t(1), prod.a_row(r));
+                load_row(q[t0 + r], p.E, scale, prod.b_row(r));
+                load_grad(t0 + r, grad_row.data(), false);
+                std::copy(grad_row.data() + c0, grad_row.data() + c0 + cw, prod.c_row(r));
+              }
+            },
+            [&](int64_t t0, int64_t n) {
+              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dv[t0 + r] + c0);
+            });
+      }
+    }
+  });
+}
+
+void launch_forward_cpu(const ForwardParams& p) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn forward (CPU)",
+                                  [&] { forward_cpu_kernel<scalar_t>(p); });
+}
+
+void launch_backward_cpu(const BackwardParams& p) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward (CPU)",
+                                  [&] { backward_cpu_kernel<scalar_t>(p); });
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                               double scale, bool normalize, double eps, c10::string_view layout) {
+  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, &launch_forward_cpu);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
+                                                            const at::Tensor& k, const at::Tensor& v,
+                                                            const c10::optional<at::Tensor>& out,
+                                                            const c10::optional<at::Tensor>& den, double scale,
+                                                            bool normalize, c10::string_view layout) {
+  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, &launch_backward_cpu);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fast_causal_attn, CPU, m) {
+  m.impl("forward", &forward_cpu);
+  m.impl("backward", &backward_cpu);
+}
+
+}  // namespace fast_causal_attn

@@ -1,0 +1,243 @@
+// Op schemas, input checks, output allocation and params setup. No kernels here: each backend
+// registers its implementation in its own directory (csrc/cpu, csrc/cuda) through the two entry
+// points declared in ops.h.
+#include "ops.h"
+
+#include <Python.h>
+
+#include <cmath>
+#include <string>
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+namespace fast_causal_attn {
+namespace {
+
+enum class Layout { BHLD, BLHD };
+
+Layout parse_layout(c10::string_view layout) {
+  if (layout == "bhld") return Layout::BHLD;
+  if (layout == "blhd") return Layout::BLHD;
+  TORCH_CHECK(false, "fast_causal_attn: layout must be 'bhld' ([B, H, L, D]) or 'blhd' ([B, L, H, D]), got '",
+              std::string(layout), "'");
+}
+
+const char* dims_of(Layout layout, char head_dim) {
+  if (layout == Layout::BHLD) return head_dim == 'E' ? "[B, H, L, E]" : "[B, H, L, M]";
+  return head_dim == 'E' ? "[B, L, H, E]" : "[B, L, H, M]";
+}
+
+// The [B, H, L, D] view of a tensor given in `layout`: a transpose, never a copy.
+at::Tensor as_bhld(const at::Tensor& t, Layout layout) {
+  return layout == Layout::BLHD ? t.transpose(1, 2) : t;
+}
+
+// The kernels read rows of D contiguous elements; any other stride costs one copy here.
+at::Tensor with_contiguous_rows(const at::Tensor& t) {
+  return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+}
+
+// A new tensor of `like`'s [B, H, L, D] shape, contiguous in `layout`, returned as its bhld view.
+at::Tensor empty_bhld(const at::Tensor& like_bhld, int64_t D, Layout layout) {
+  const int64_t B = like_bhld.size(0), H = like_bhld.size(1), L = like_bhld.size(2);
+  if (layout == Layout::BLHD) return at::empty({B, L, H, D}, like_bhld.options()).transpose(1, 2);
+  return at::empty({B, H, L, D}, like_bhld.options());
+}
+
+StridedTensor strided(const at::Tensor& t_bhld) {
+  StridedTensor s;
+  s.ptr = t_bhld.data_ptr();
+  s.stride_b = t_bhld.stride(0);
+  s.stride_h = t_bhld.stride(1);
+  s.stride_l = t_bhld.stride(2);
+  return s;
+}
+
+void check_rank(const at::Tensor& t, const char* name, Layout layout, char head_dim) {
+  TORCH_CHECK(t.dim() == 4, "fast_causal_attn: ", name, " must be a 4-D tensor ", dims_of(layout, head_dim),
+              ", got a ", t.dim(), "-D tensor of shape ", t.sizes());
+}
+
+void check_dtype_and_device(const at::Tensor& t, const char* name, const at::Tensor& q) {
+  TORCH_CHECK(t.scalar_type() == q.scalar_type(), "fast_causal_attn: ", name,
+              " must have the same dtype as q (", q.scalar_type(), "), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "fast_causal_attn: ", name, " must be on the same device as q (",
+              q.device(), "), got ", t.device());
+}
+
+// q, k and v share B, H and L; the message shows them in the caller's layout.
+void check_batch_heads_length(const at::Tensor& t, const char* name, const at::Tensor& q, Layout layout) {
+  if (t.sizes().slice(0, 3) == q.sizes().slice(0, 3)) return;
+  TORCH_CHECK(false, "fast_causal_attn: ", name, " must have the same ",
+              layout == Layout::BHLD ? "(B, H, L)" : "(B, L, H)", " as q, got ", t.sizes().slice(0, 3), " for ",
+              name, " and ", q.sizes().slice(0, 3), " for q");
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Layout layout) {
+  check_rank(q, "q", layout, 'E');
+  check_rank(k, "k", layout, 'E');
+  check_rank(v, "v", layout, 'M');
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+              "fast_causal_attn: q, k and v must be float32, float64, float16 or bfloat16, got ", dtype);
+  check_dtype_and_device(k, "k", q);
+  check_dtype_and_device(v, "v", q);
+  check_batch_heads_length(k, "k", q, layout);
+  check_batch_heads_length(v, "v", q, layout);
+  TORCH_CHECK(k.size(3) == q.size(3), "fast_causal_attn: q and k must have the same head dimension E, got ",
+              q.size(3), " for q and ", k.size(3), " for k");
+  TORCH_CHECK(q.size(3) >= 1, "fast_causal_attn: the head dimension E of q and k must be at least 1, got 0");
+  TORCH_CHECK(v.size(3) >= 1, "fast_causal_attn: the head dimension M of v must be at least 1, got 0");
+}
+
+void check_scalars(double scale, double eps) {
+  TORCH_CHECK(std::isfinite(scale), "fast_causal_attn: scale must be finite, got ", scale);
+  TORCH_CHECK(std::isfinite(eps) && eps > 0, "fast_causal_attn: eps must be finite and > 0, got ", eps);
+}
+
+at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return dtype == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+void fill_problem(ForwardParams& p, const at::Tensor& qb, const at::Tensor& vb, double scale, bool normalize,
+                  double eps) {
+  p.dtype = qb.scalar_type();
+  p.B = qb.size(0);
+  p.H = qb.size(1);
+  p.L = qb.size(2);
+  p.E = qb.size(3);
+  p.M = vb.size(3);
+  p.scale = scale;
+  p.normalize = normalize;
+  p.eps = eps;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> causal_attn_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool normalize,
+    double eps, c10::string_view layout_name, ForwardLauncher launch) {
+  const Layout layout = parse_layout(layout_name);
+  check_scalars(scale, eps);
+  check_inputs(q, k, v, layout);
+  c10::DeviceGuard guard(q.device());
+
+  const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
+  const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
+  const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
+  const at::Tensor ob = empty_bhld(vb, vb.size(3), layout);
+  const at::Tensor den = normalize ? at::empty({qb.size(0), qb.size(1), qb.size(2)},
+                                               q.options().dtype(accumulation_dtype(q.scalar_type())))
+                                   : at::empty({0}, q.options().dtype(accumulation_dtype(q.scalar_type())));
+  if (ob.numel() > 0) {
+    ForwardParams p;
+    fill_problem(p, qb, vb, scale, normalize, eps);
+    p.q = strided(qb);
+    p.k = strided(kb);
+    p.v = strided(vb);
+    p.o = strided(ob);
+    p.den = normalize ? den.data_ptr() : nullptr;
+    launch(p);
+  }
+  return {as_bhld(ob, layout), den};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den, double scale,
+    bool normalize, c10::string_view layout_name, BackwardLauncher launch) {
+  const Layout layout = parse_layout(layout_name);
+  check_scalars(scale, 1.0);
+  check_inputs(q, k, v, layout);
+  TORCH_CHECK(grad_out.sizes() == v.sizes(), "fast_causal_attn: grad_out must have the shape of the output ",
+              v.sizes(), ", got ", grad_out.sizes());
+  check_dtype_and_device(grad_out, "grad_out", q);
+  if (normalize) {
+    TORCH_CHECK(out.has_value() && den.has_value(),
+                "fast_causal_attn: the backward with normalize=True needs the forward's out and den");
+    TORCH_CHECK(out->sizes() == v.sizes(), "fast_causal_attn: out must have the shape ", v.sizes(), ", got ",
+                out->sizes());
+    check_dtype_and_device(*out, "out", q);
+    const at::Tensor qb = as_bhld(q, layout);
+    TORCH_CHECK(den->dim() == 3 && den->size(0) == qb.size(0) && den->size(1) == qb.size(1) &&
+                    den->size(2) == qb.size(2),
+                "fast_causal_attn: den must have shape [B, H, L] = ", qb.sizes().slice(0, 3), ", got ",
+                den->sizes());
+    TORCH_CHECK(den->scalar_type() == accumulation_dtype(q.scalar_type()) && den->device() == q.device(),
+                "fast_causal_attn: den must be ", accumulation_dtype(q.scalar_type()), " on ", q.device(),
+                ", got ", den->scalar_type(), " on ", den->device());
+  }
+  c10::DeviceGuard guard(q.device());
+
+  const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
+  const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
+  const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
+  const at::Tensor dqb = empty_bhld(qb, qb.size(3), layout);
+  const at::Tensor dkb = empty_bhld(kb, kb.size(3), layout);
+  const at::Tensor dvb = empty_bhld(vb, vb.size(3), layout);
+  if (dqb.numel() > 0) {
+    const at::Tensor dob = with_contiguous_rows(as_bhld(grad_out, layout));
+    at::Tensor ob, denc;
+    BackwardParams p;
+    fill_problem(p, qb, vb, scale, normalize, /*eps=*/1.0);
+    p.q = strided(qb);
+    p.k = strided(kb);
+    p.v = strided(vb);
+    p.dout = strided(dob);
+    p.dq = strided(dqb);
+    p.dk = strided(dkb);
+    p.dv = strided(dvb);
+    if (normalize) {
+      ob = with_contiguous_rows(as_bhld(*out, layout));
+      denc = den->contiguous();
+      p.o = strided(ob);
+      p.den = denc.data_ptr();
+    }
+    launch(p);
+  }
+  return {as_bhld(dqb, layout), as_bhld(dkb, layout), as_bhld(dvb, layout)};
+}
+
+TORCH_LIBRARY(fast_causal_attn, m) {
+  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, bool normalize, float eps, str layout)"
+        " -> (Tensor, Tensor)");
+  m.def("backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? out, Tensor? den, float scale,"
+        " bool normalize, str layout) -> (Tensor, Tensor, Tensor)");
+}
+
+#ifndef FAST_CAUSAL_ATTN_WITH_CUDA
+// A CPU-only build still answers CUDA tensors with a message that says what to do.
+namespace {
+[[noreturn]] void no_cuda() {
+  TORCH_CHECK(false, "fast_causal_attn was built without CUDA support; reinstall it where a CUDA toolkit and a "
+                     "CUDA build of torch are present (or set FAST_CAUSAL_ATTN_BUILD=cuda)");
+}
+std::tuple<at::Tensor, at::Tensor> forward_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                   bool, double, c10::string_view) {
+  no_cuda();
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_no_cuda(const at::Tensor&, const at::Tensor&,
+                                                                const at::Tensor&, const at::Tensor&,
+                                                                const c10::optional<at::Tensor>&,
+                                                                const c10::optional<at::Tensor>&, double, bool,
+                                                                c10::string_view) {
+  no_cuda();
+}
+}  // namespace
+
+TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
+  m.impl("forward", &forward_no_cuda);
+  m.impl("backward", &backward_no_cuda);
+}
+#endif
+
+}  // namespace fast_causal_attn
+
+// Lets `import fast_causal_attn._C` load the library (and run the registrations above); the ops are
+// reached through torch.ops.fast_causal_attn, not through this module.
+extern "C" PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

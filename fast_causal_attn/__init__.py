@@ -1,0 +1,40 @@
+"""Causal linear attention for PyTorch: fused CPU and CUDA kernels, forward and backward.
+
+For each batch and head, with q' = scale * q:
+
+    unnormalized:  O[t] = sum_{s<=t} (q'[t] . k[s]) v[s]
+    normalized:    O[t] = sum_{s<=t} (q'[t] . k[s]) v[s] / (q'[t] . sum_{s<=t} k[s] + eps)
+"""
+from ._ops import CausalDotProduct
+
+__all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct"]
+__version__ = "0.1.0"
+
+
+def causal_dot_product(q, k, v):
+    """Unnormalized causal linear attention, as ``fast_transformers.causal_product.causal_dot_product``.
+
+    q, k: [B, H, L, E]; v: [B, H, L, M]. Returns [B, H, L, M]:
+    ``out[b, h, t] = sum_{s<=t} (q[b, h, t] . k[b, h, s]) v[b, h, s]``. Differentiable in q, k and v.
+    """
+    return CausalDotProduct.apply(q, k, v)
+
+
+def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld"):
+    """Causal linear attention, optionally normalized, in either layout.
+
+    Args:
+        q, k: [B, H, L, E] for ``layout="bhld"``, [B, L, H, E] for ``layout="blhd"``.
+        v: [B, H, L, M] or [B, L, H, M]; M may differ from E.
+        scale: multiplies q (q' = scale * q).
+        normalize: divide by ``q'[t] . sum_{s<=t} k[s] + eps``; q and k should then be non-negative
+            (a positive feature map), as in linear transformers.
+        eps: added to the normalizer; must be finite and > 0.
+        layout: ``"bhld"`` or ``"blhd"`` (flash-attn's and fla's). Inputs are read through their
+            strides; only an input whose last dimension is not contiguous is copied.
+
+    Returns:
+        The output, in the inputs' layout and dtype: [B, H, L, M] or [B, L, H, M]. float16 and
+        bfloat16 inputs accumulate in float32, float64 in float64. Differentiable in q, k and v.
+    """
+    return CausalDotProduct.apply(q, k, v, float(scale), bool(normalize), float(eps), layout)

@@ -1,0 +1,58 @@
+"""Build of the fast_causal_attn extension.
+
+Builds the CUDA extension when a CUDA toolkit and a CUDA build of torch are both present, and a
+CPU-only extension otherwise. FAST_CAUSAL_ATTN_BUILD=cpu or =cuda forces either (cuda fails loudly
+when it cannot be built). TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured as torch's
+cpp_extension honours them.
+"""
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def want_cuda() -> bool:
+    forced = os.environ.get("FAST_CAUSAL_ATTN_BUILD", "").strip().lower()
+    if forced not in ("", "cpu", "cuda"):
+        raise RuntimeError(f"FAST_CAUSAL_ATTN_BUILD must be 'cpu' or 'cuda', got {forced!r}")
+    available = torch.version.cuda is not None and CUDA_HOME is not None
+    if forced == "cuda" and not available:
+        raise RuntimeError(
+            "FAST_CAUSAL_ATTN_BUILD=cuda needs a CUDA build of torch "
+            f"(torch.version.cuda = {torch.version.cuda}) and a CUDA toolkit (CUDA_HOME = {CUDA_HOME})"
+        )
+    return available if forced == "" else forced == "cuda"
+
+
+def extension():
+    rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    cxx = ["-O3", "-std=c++17", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]
+    if want_cuda():
+        sources += rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
+        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA"]
+        return CUDAExtension(
+            "fast_causal_attn._C",
+            sources,
+            extra_compile_args={"cxx": cxx + ["-DFAST_CAUSAL_ATTN_WITH_CUDA"], "nvcc": nvcc},
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    return CppExtension(
+        "fast_causal_attn._C",
+        sources,
+        extra_compile_args={"cxx": cxx},
+        extra_link_args=["-fopenmp"],
+        py_limited_api=True,
+    )
+
+
+setup(
+    ext_modules=[extension()],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
