@@ -15,8 +15,19 @@ def _bhl(q, layout):
     return (q.shape[0], q.shape[2], q.shape[1]) if layout == "blhd" else tuple(q.shape[:3])
 
 
+def _check_same_device(q, **others):
+    # A mix of devices can reach the fake kernels (meta tensors, tracing); the C++ check does not
+    # run there, so the same message comes from here.
+    for name, t in others.items():
+        torch._check(
+            t is None or t.device == q.device,
+            lambda: f"fast_causal_attn: {name} must be on the same device as q ({q.device}), got {t.device}",
+        )
+
+
 @torch.library.register_fake("fast_causal_attn::forward")
 def _forward_fake(q, k, v, scale, normalize, eps, layout):
+    _check_same_device(q, k=k, v=v)
     # The output has v's shape in either layout, contiguous in that layout.
     out = v.new_empty(v.shape)
     den_shape = _bhl(q, layout) if normalize else (0,)
@@ -26,6 +37,7 @@ def _forward_fake(q, k, v, scale, normalize, eps, layout):
 
 @torch.library.register_fake("fast_causal_attn::backward")
 def _backward_fake(grad_out, q, k, v, out, den, scale, normalize, layout):
+    _check_same_device(q, k=k, v=v, grad_out=grad_out, out=out, den=den)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

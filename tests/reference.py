@@ -1,0 +1,66 @@
+"""The one reference every test compares against: the quadratic form with a tril mask.
+
+Run in float64 it is the ground truth; run in a 16-bit dtype it is "plain PyTorch in that dtype",
+the yardstick for 16-bit tolerances.
+"""
+import torch
+
+
+def reference(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", dtype=torch.float64):
+    """causal_linear_attention computed as mask(q' k^T) v in `dtype`, returned in `dtype`."""
+    if layout == "blhd":
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    scores = (scale * q) @ k.transpose(-1, -2)
+    scores = scores.tril()
+    out = scores @ v
+    if normalize:
+        out = out / (scores.sum(-1, keepdim=True) + eps)
+    return out.transpose(1, 2) if layout == "blhd" else out
+
+
+def reference_with_grads(q, k, v, grad_out, *, dtype=torch.float64, **kwargs):
+    """(out, grad_q, grad_k, grad_v) of `reference` in `dtype`, for the cotangent grad_out."""
+    leaves = [x.detach().cpu().to(dtype).requires_grad_() for x in (q, k, v)]
+    out = reference(*leaves, dtype=dtype, **kwargs)
+    grads = torch.autograd.grad(out, leaves, grad_out.detach().cpu().to(dtype))
+    return (out.detach(), *grads)
+
+
+def gradient_magnitudes(q, k, v, grad_out, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld"):
+    """Norms of the terms each exact gradient is a sum of, for measuring error against.
+
+    A normalized gradient is a difference of two terms (in q: S g against (g . O) z), which cancel
+    almost exactly where the output hardly depends on the input (L = 1, or E = 1 where it does not
+    depend on q at all): there an error relative to the gradient itself says nothing. These are the
+    norms of the first terms, the gradients of the numerator alone with g = grad_out / den."""
+    if not normalize:
+        return (0.0, 0.0, 0.0)
+    kw = dict(scale=scale, eps=eps, layout=layout)
+    den = reference(q, k, torch.ones_like(v[..., :1]), normalize=False, **kw) + eps
+    _, *grads = reference_with_grads(q, k, v, grad_out.double() / den, normalize=False, **kw)
+    return tuple(g.norm().item() for g in grads)
+
+
+def relative_error(x, ref, magnitude=0.0):
+    """Norm-wise relative error ||x - ref|| / max(||ref||, magnitude) in float64 (the absolute
+    error for an all-zero ref)."""
+    x, ref = x.detach().double().cpu(), ref.detach().double().cpu()
+    assert x.shape == ref.shape, f"shape {tuple(x.shape)} != reference shape {tuple(ref.shape)}"
+    denom = max(ref.norm().item(), magnitude)
+    diff = (x - ref).norm().item()
+    if denom == 0:
+        return diff
+    return diff / denom
+
+
+def make_inputs(B, H, L, E, M, *, dtype, device, layout="bhld", normalize=False, generator=None):
+    """Fresh random q, k, v: N(0, 1/E) q and k and N(0, 1) v; with normalize, q and k are made
+    non-negative (a positive feature map's output), as the normalizer expects."""
+    shape = (lambda D: (B, L, H, D)) if layout == "blhd" else (lambda D: (B, H, L, D))
+    q = torch.randn(shape(E), generator=generator, dtype=torch.float64) / E**0.5
+    k = torch.randn(shape(E), generator=generator, dtype=torch.float64) / E**0.5
+    v = torch.randn(shape(M), generator=generator, dtype=torch.float64)
+    if normalize:
+        q, k = q.abs(), k.abs()
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))

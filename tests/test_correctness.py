@@ -1,0 +1,157 @@
+"""Forward and the three gradients against the float64 reference, over shapes, dtypes, layouts,
+normalize settings and strided inputs, on every available device."""
+import pytest
+import torch
+
+import fast_causal_attn
+from conftest import DEVICES
+from reference import gradient_magnitudes, make_inputs, reference, reference_with_grads, relative_error
+
+# (B, H, L, E, M)
+SHAPES = [
+    # sequence lengths around the chunk size, with E = M = 16
+    (1, 1, 1, 16, 16),
+    (1, 1, 2, 16, 16),
+    (2, 3, 63, 16, 16),
+    (2, 3, 64, 16, 16),
+    (2, 3, 65, 16, 16),
+    (1, 2, 1000, 16, 16),
+    # head dimensions
+    (2, 2, 65, 1, 1),
+    (2, 2, 65, 3, 3),
+    (2, 2, 65, 17, 17),
+    (2, 2, 65, 64, 64),
+    (2, 2, 65, 100, 100),
+    (1, 2, 65, 128, 128),
+    (1, 1, 65, 257, 257),
+    # M != E
+    (2, 2, 65, 3, 17),
+    (2, 2, 65, 64, 100),
+    (1, 1, 65, 257, 1),
+    (1, 2, 100, 16, 128),
+    (1, 1, 130, 1, 257),
+    # many (batch, head) pairs; long sequences with large head dims
+    (4, 16, 65, 32, 32),
+    (1, 1, 1000, 64, 64),
+    (2, 4, 1000, 128, 64),
+]
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+# Tolerance on the norm-wise relative error vs float64: the dtype's floor (1e-5 for float32 is the
+# project's exact-fp32 bar; 16-bit dtypes are never asked to beat one rounding of the exact result),
+# or, where the problem itself is ill-conditioned (a normalized gradient that cancels to nearly
+# zero, say), twice the error of plain PyTorch computing in the same dtype: flash-attention's rule.
+ERROR_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+
+
+def shape_id(shape):
+    return "B{}H{}L{}E{}M{}".format(*shape)
+
+
+def check_against_reference(q, k, v, *, scale, normalize, layout, eps=1e-6):
+    dtype = q.dtype
+    kwargs = dict(scale=scale, normalize=normalize, eps=eps, layout=layout)
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    out = fast_causal_attn.causal_linear_attention(q, k, v, **kwargs)
+    assert out.dtype == dtype and out.shape == v.shape and out.device == v.device
+    grad_out = torch.randn(out.shape, dtype=torch.float64).to(device=out.device, dtype=dtype)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+
+    exact = reference_with_grads(q, k, v, grad_out, **kwargs)
+    magnitudes = (0.0, *gradient_magnitudes(q, k, v, grad_out, **kwargs))
+    errors = [relative_error(x, r, m) for x, r, m in zip((out, *grads), exact, magnitudes)]
+    plain = reference_with_grads(q, k, v, grad_out, dtype=dtype, **kwargs)
+    tolerances = [max(2 * relative_error(p, r, m), ERROR_FLOOR[dtype]) for p, r, m in zip(plain, exact, magnitudes)]
+    for name, err, tol in zip(("out", "grad_q", "grad_k", "grad_v"), errors, tolerances):
+        assert err <= tol, f"{name}: relative error {err:.3g} > tolerance {tol:.3g}"
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+def test_matches_reference(shape, layout, normalize, dtype, device):
+    gen = torch.Generator().manual_seed(hash((shape, layout, normalize, str(dtype))) % 2**31)
+    q, k, v = make_inputs(*shape, dtype=dtype, device=device, layout=layout, normalize=normalize, generator=gen)
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)
+
+
+def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
+    """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
+    contiguous, the one case that is copied); v: every other timestep of a longer buffer."""
+    q0, k0, v0 = make_inputs(B, H, 2 * L, E + 5, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    t_dim = 1 if layout == "blhd" else 2
+    q = q0.narrow(t_dim, 0, L)[..., 3 : 3 + E]
+    k = k0.narrow(t_dim, 1, L)[..., :E].transpose(-1, -2).contiguous().transpose(-1, -2)
+    v = v0.narrow(t_dim, 0, 2 * L).unfold(t_dim, 1, 2).squeeze(-1)
+    assert not q.is_contiguous() and k.stride(-1) != 1 and not v.is_contiguous()
+    return q, k, v
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_strided_inputs(layout, normalize, dtype, device):
+    q, k, v = strided_inputs(2, 3, 70, 17, 24, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    check_against_reference(q, k, v, scale=1.3, normalize=normalize, layout=layout)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layout_views_are_not_copied(device):
+    """A [B, L, H, D] tensor passed as "blhd" gives the same result as its bhld transpose, and the
+    output comes back contiguous in the caller's layout."""
+    q, k, v = make_inputs(2, 3, 50, 8, 12, dtype=torch.float32, device=device, layout="blhd")
+    out = fast_causal_attn.causal_linear_attention(q, k, v, layout="blhd")
+    assert out.shape == (2, 50, 3, 12) and out.is_contiguous()
+    bhld = fast_causal_attn.causal_linear_attention(*(x.transpose(1, 2) for x in (q, k, v)))
+    assert bhld.is_contiguous()
+    torch.testing.assert_close(out, bhld.transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_expanded_grad_out(device):
+    """grad of out.sum() reaches the backward as a zero-stride tensor."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 2, 70, 8, 8, dtype=torch.float64, device=device))
+    fast_causal_attn.causal_linear_attention(q, k, v, normalize=False).sum().backward()
+    ones = torch.ones(2, 2, 70, 8, dtype=torch.float64)
+    _, *exact = reference_with_grads(q, k, v, ones)
+    for x, r in zip((q, k, v), exact):
+        assert relative_error(x.grad, r) <= 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_empty_sequence(layout, device):
+    q, k, v = make_inputs(2, 3, 0, 4, 5, dtype=torch.float32, device=device, layout=layout)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, layout=layout)
+    assert out.shape == v.shape and out.numel() == 0
+    out.sum().backward()
+    assert q.grad.shape == q.shape and v.grad.shape == v.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_causal_dot_product_is_fast_transformers_call(device):
+    q, k, v = make_inputs(2, 4, 100, 16, 32, dtype=torch.float32, device=device)
+    out = fast_causal_attn.causal_dot_product(q, k, v)
+    assert relative_error(out, reference(q, k, v)) <= 1e-5
+    out2 = fast_causal_attn.CausalDotProduct.apply(q, k, v)
+    torch.testing.assert_close(out, out2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_future_does_not_leak(device):
+    """Changing k and v at timestep t changes no output before t."""
+    q, k, v = make_inputs(1, 2, 130, 8, 8, dtype=torch.float32, device=device)
+    out = fast_causal_attn.causal_linear_attention(q, k, v)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 90:] += 1
+    v2[:, :, 90:] -= 1
+    out2 = fast_causal_attn.causal_linear_attention(q, k2, v2)
+    torch.testing.assert_close(out[:, :, :90], out2[:, :, :90], rtol=0, atol=0)
+    assert not torch.equal(out[:, :, 90:], out2[:, :, 90:])

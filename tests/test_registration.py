@@ -1,0 +1,75 @@
+"""The ops as torch sees them: schemas, fake implementations, torch.compile."""
+import pytest
+import torch
+
+import fast_causal_attn
+from conftest import DEVICES
+from reference import make_inputs
+
+ops = torch.ops.fast_causal_attn
+
+
+def op_inputs(device, layout, normalize, dtype=torch.float32):
+    return make_inputs(2, 3, 70, 8, 6, dtype=dtype, device=device, layout=layout, normalize=normalize)
+
+
+# The ops carry no autograd kernel of their own: gradients come from the autograd.Function that
+# the public API goes through (tested by gradcheck), so opcheck runs them on inputs that do not
+# require grad and its autograd-registration check has nothing to flag.
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_opcheck_forward(layout, normalize, device):
+    q, k, v = op_inputs(device, layout, normalize)
+    torch.library.opcheck(ops.forward.default, (q, k, v, 0.5, normalize, 1e-6, layout))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_opcheck_backward(layout, normalize, device):
+    q, k, v = op_inputs(device, layout, normalize)
+    out, den = ops.forward(q, k, v, 0.5, normalize, 1e-6, layout)
+    grad_out = torch.randn_like(out)
+    saved = (out, den) if normalize else (None, None)
+    torch.library.opcheck(ops.backward.default, (grad_out, q, k, v, *saved, 0.5, normalize, layout))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_torch_compile_fullgraph(layout, normalize, device):
+    torch._dynamo.reset()
+
+    def attention_block(q, k, v):
+        out = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.5, normalize=normalize, layout=layout)
+        return torch.nn.functional.gelu(out) * 2
+
+    compiled = torch.compile(attention_block, fullgraph=True, backend="aot_eager")
+    q, k, v = (x.requires_grad_() for x in op_inputs(device, layout, normalize))
+    eager_out = attention_block(q, k, v)
+    eager_grads = torch.autograd.grad(eager_out.sum(), (q, k, v))
+    compiled_out = compiled(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled_out.sum(), (q, k, v))
+    torch.testing.assert_close(compiled_out, eager_out)
+    for c, e in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_inductor(device):
+    """The default backend as a training script would use it: no graph break, same numbers."""
+    torch._dynamo.reset()
+
+    def f(q, k, v):
+        return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
+
+    q, k, v = (x.requires_grad_() for x in op_inputs(device, "bhld", False))
+    compiled = torch.compile(f, fullgraph=True)
+    loss = compiled(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    eager_loss = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    torch.testing.assert_close(loss, eager_loss)
+    for c, e in zip(grads, eager_grads):
+        torch.testing.assert_close(c, e)
