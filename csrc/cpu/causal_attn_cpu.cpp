@@ -35,10 +35,11 @@ namespace fast_causal_attn {
 namespace {
 
 // Timesteps per chunk. The intra-chunk work grows with the chunk (kChunk * (Da + Dc) flops per
-// timestep) and the state update does not (2 * Da * Dc), while small GEMMs run far below the
-// BLAS peak: 64 was the fastest of 32 / 64 / 128 for E = M = 64 on the 2-core CI machine
-// (see benchmarks/RESULTS.md).
-constexpr int64_t kChunk = 64;
+// timestep) and the state update does not (2 * Da * Dc), while smaller GEMMs run further below the
+// BLAS peak. Measured on the 2-core CI machine (2026-11-30, fp32, forward+backward, ms, two runs
+// each): B, H, L, E = 4, 8, 2048, 64: 55-64 at 32, 62-68 at 64, 94 at 128; 1, 2, 8192, 64: 18 at 32,
+// 22-23 at 64, 31 at 128. The forward alone is within noise of 64.
+constexpr int64_t kChunk = 32;
 // A column block narrower than this spends more on recomputing mask(A B^T) than it gains in
 // parallelism.
 constexpr int64_t kMinColumnsPerBlock = 32;

@@ -1,0 +1,82 @@
+"""What fast_causal_attn is measured against: plain PyTorch, and peers when they are present.
+
+Peers are never part of this repository: put their source in third_party/ (git-ignored) to have
+them built and timed beside ours, e.g. fast-transformers' causal_product_cpu.cpp and
+causal_product_cuda.cu in third_party/fast_transformers/.
+"""
+import os
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THIRD_PARTY = os.path.join(ROOT, "third_party")
+
+
+def torch_chunked(q, k, v, chunk=64):
+    """Plain-PyTorch chunked causal linear attention, [B, H, L, D], unnormalized, scale 1:
+    masked products inside each chunk plus an exclusive prefix sum of per-chunk k^T v states."""
+    B, H, L, E = q.shape
+    M = v.shape[-1]
+    pad = (-L) % chunk
+    if pad:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    n = (L + pad) // chunk
+    qc, kc, vc = (x.reshape(B, H, n, chunk, x.shape[-1]) for x in (q, k, v))
+    intra = (qc @ kc.transpose(-1, -2)).tril() @ vc
+    kv = kc.transpose(-1, -2) @ vc  # [B, H, n, E, M]
+    states = kv.cumsum(2) - kv  # state before each chunk
+    out = intra + qc @ states
+    return out.reshape(B, H, n * chunk, M)[:, :, :L]
+
+
+_fast_transformers = {}
+
+
+def fast_transformers_causal_dot_product(device):
+    """fast-transformers' causal_dot_product for `device`, built from third_party/ (None when its
+    source is absent). Its own Python wrapper is used when the package is installed."""
+    if device in _fast_transformers:
+        return _fast_transformers[device]
+    fn = None
+    try:
+        from fast_transformers.causal_product import causal_dot_product as fn  # noqa: F811
+    except ImportError:
+        src_dir = os.path.join(THIRD_PARTY, "fast_transformers")
+        name = "causal_product_cuda.cu" if device == "cuda" else "causal_product_cpu.cpp"
+        src = os.path.join(src_dir, name)
+        if os.path.exists(src):
+            from torch.utils.cpp_extension import load
+
+            flags = ["-O3", "-fopenmp"]
+            module = load(
+                name="ft_causal_product_" + device,
+                sources=[src],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                extra_cuda_cflags=["-O3"],
+                verbose=False,
+            )
+            fn = _autograd_wrapper(module)
+    _fast_transformers[device] = fn
+    return fn
+
+
+def _autograd_wrapper(module):
+    """fast-transformers' CausalDotProduct, as its __init__.py wraps the compiled functions."""
+
+    class CausalDotProduct(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            ctx.save_for_backward(q, k, v)
+            out = torch.zeros((*q.shape[:-1], v.shape[-1]), device=q.device, dtype=q.dtype)
+            module.causal_dot_product(q, k, v, out)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad_out):
+            q, k, v = ctx.saved_tensors
+            gq, gk, gv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+            module.causal_dot_backward(q, k, v, grad_out, gq, gk, gv)
+            return gq, gk, gv
+
+    return CausalDotProduct.apply

@@ -1,0 +1,178 @@
+"""Time fast_causal_attn forward and forward+backward beside plain PyTorch and the peers present.
+
+    python benchmarks/benchmark.py                 # on CUDA when present, else on the CPU
+    python benchmarks/benchmark.py --device cpu --dtypes float32,bfloat16
+
+Prints a table, writes benchmarks/out/<device>.json and, with matplotlib, <device>.png. Every
+time is a median after warm-up (triton.testing.do_bench on CUDA); each is printed beside the
+memory floor: the fewest bytes the pass must move (read q, k, v and write o; the backward also
+reads dO and writes dq, dk, dv) over the copy bandwidth measured in the same run.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import baselines  # noqa: E402
+
+import fast_causal_attn  # noqa: E402
+
+SHAPES = {  # (B, H, L, E, M)
+    "cpu": [(4, 8, 2048, 64, 64), (1, 2, 8192, 64, 64), (8, 8, 1024, 32, 32)],
+    "cuda": [
+        (8, 16, 2048, 64, 64),
+        (4, 16, 8192, 64, 64),
+        (8, 16, 2048, 128, 128),
+        (2, 4, 8192, 64, 64),
+        (1, 16, 32768, 128, 128),
+    ],
+}
+DTYPES = {"cpu": "float32", "cuda": "float32,bfloat16"}
+
+
+def median_ms(fn, device, reps):
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=100, rep=max(200, reps * 20), return_mode="median")
+    fn()  # warm-up: thread pool, allocator, first-touch
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device):
+    """Bytes read plus bytes written per second by a large device copy."""
+    n = (1 << 28) if device == "cuda" else (1 << 25)  # floats: 1 GiB on the GPU, 128 MiB on the CPU
+    src = torch.randn(n, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, reps=20)
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def make_case(B, H, L, E, M, dtype, device):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(B, H, L, E, generator=g) / E**0.5
+    k = torch.randn(B, H, L, E, generator=g) / E**0.5
+    v = torch.randn(B, H, L, M, generator=g)
+    dout = torch.randn(B, H, L, M, generator=g)
+    return [x.to(device=device, dtype=dtype) for x in (q, k, v, dout)]
+
+
+def timings(fn, q, k, v, dout, device, reps):
+    """(forward ms, forward+backward ms) of fn(q, k, v)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def forward():
+        with torch.no_grad():
+            return fn(q, k, v)
+
+    def forward_backward():
+        out = fn(*leaves)
+        return torch.autograd.grad(out, leaves, dout)
+
+    return median_ms(forward, device, reps), median_ms(forward_backward, device, reps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16")
+    parser.add_argument("--reps", type=int, default=None, help="timed repetitions on the CPU")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
+    parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers even when present")
+    args = parser.parse_args()
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtypes = [getattr(torch, d) for d in (args.dtypes or DTYPES[device]).split(",")]
+    reps = args.reps or (10 if device == "cpu" else 50)
+    bandwidth = copy_bandwidth(device)
+    where = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    print(f"fast_causal_attn benchmark on {device} ({where}), torch {torch.__version__}")
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s (read + write)\n")
+
+    methods = {
+        "fast_causal_attn": fast_causal_attn.causal_dot_product,
+        "torch chunked (C=64)": baselines.torch_chunked,
+    }
+    ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
+
+    rows = []
+    header = f"{'dtype':9} {'B, H, L, E, M':>22} {'method':>22} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor fwd / fwd+bwd':>20}"
+    print(header)
+    print("-" * len(header))
+    for dtype in dtypes:
+        for shape in SHAPES[device]:
+            B, H, L, E, M = shape
+            q, k, v, dout = make_case(*shape, dtype, device)
+            item = q.element_size()
+            fwd_bytes = B * H * L * (2 * E + 2 * M) * item
+            bwd_bytes = B * H * L * (4 * E + 4 * M - E) * item  # read q k v dO, write dq dk dv
+            floor = (fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3)
+            cases = dict(methods)
+            if ft is not None and dtype == torch.float32:
+                cases["fast-transformers"] = ft
+            for name, fn in cases.items():
+                fwd, fwd_bwd = timings(fn, q, k, v, dout, device, reps)
+                rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
+                                 fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
+                print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
+                      f"{floor[0]:9.3f} / {floor[1]:.3f}", flush=True)
+
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(device=device, device_name=where, torch=torch.__version__, copy_bandwidth=bandwidth,
+                date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv))
+    path = os.path.join(args.out, f"{device}.json")
+    with open(path, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\nwrote {path}")
+    plot(rows, os.path.join(args.out, f"{device}.png"), meta)
+
+
+def plot(rows, path, meta):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    groups = sorted({(r["dtype"], tuple(r["shape"])) for r in rows}, key=str)
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(14, 0.6 * len(groups) + 2.5))
+    for ax, key, title in zip(axes, ("fwd_ms", "fwd_bwd_ms"), ("forward", "forward + backward")):
+        for i, method in enumerate(methods):
+            ys, xs = [], []
+            for j, g in enumerate(groups):
+                for r in rows:
+                    if r["method"] == method and (r["dtype"], tuple(r["shape"])) == g:
+                        ys.append(j + i * 0.8 / len(methods))
+                        xs.append(r[key])
+            ax.barh(ys, xs, height=0.8 / len(methods), label=method)
+        floors = [next(r for r in rows if (r["dtype"], tuple(r["shape"])) == g)["floor_" + key] for g in groups]
+        ax.scatter(floors, [j + 0.4 for j in range(len(groups))], marker="|", s=300, c="k", label="memory floor")
+        ax.set_yticks([j + 0.4 for j in range(len(groups))])
+        ax.set_yticklabels([f"{d} {s}" for d, s in groups], fontsize=8)
+        ax.set_xscale("log")
+        ax.set_xlabel("ms (median)")
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"fast_causal_attn on {meta['device_name']}, torch {meta['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
