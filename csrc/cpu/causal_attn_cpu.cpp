@@ -154,12 +154,12 @@ void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
 }
 
-// Column blocks of width D split so that there are enough (pair, block) work items for every
-// thread, but none narrower than kMinColumnsPerBlock.
+// Column blocks of width D split so that the `tasks` independent products (one per (batch, head)
+// and pass) give every thread about two work items, but none narrower than kMinColumnsPerBlock.
 struct ColumnBlocks {
   int64_t count, width;
-  ColumnBlocks(int64_t D, int64_t pairs) {
-    const int64_t wanted = (2 * at::get_num_threads() + pairs - 1) / pairs;
+  ColumnBlocks(int64_t D, int64_t tasks) {
+    const int64_t wanted = (2 * at::get_num_threads() + tasks - 1) / tasks;
     const int64_t most = (D + kMinColumnsPerBlock - 1) / kMinColumnsPerBlock;
     count = std::max<int64_t>(1, std::min(wanted, most));
     width = (D + count - 1) / count;
@@ -224,7 +224,7 @@ template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t pairs = p.B * p.H;
-  const ColumnBlocks e_blocks(p.E, pairs), m_blocks(p.M, pairs);
+  const ColumnBlocks e_blocks(p.E, 3 * pairs), m_blocks(p.M, 3 * pairs);
   const int64_t dq_items = pairs * e_blocks.count, dk_items = dq_items, dv_items = pairs * m_blocks.count;
   const acc_t scale = static_cast<acc_t>(p.scale);
   const int64_t M = p.M, Mg = p.M + p.normalize;  // width of [g, c] and of [v, 1]
