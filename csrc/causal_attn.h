@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include <c10/core/ScalarType.h>
+#include <c10/macros/Macros.h>
 
 namespace fast_causal_attn {
 
@@ -19,7 +20,7 @@ struct StridedTensor {
   int64_t stride_h = 0;
   int64_t stride_l = 0;
 
-  int64_t offset(int64_t b, int64_t h, int64_t t) const {
+  C10_HOST_DEVICE int64_t offset(int64_t b, int64_t h, int64_t t) const {
     return b * stride_b + h * stride_h + t * stride_l;
   }
 };

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call: build for sm_90, run the GPU tests, the sanitizer subset and the benchmark.
+#
+#   bash benchmarks/gpu_check.sh                 # every stage
+#   STAGES="build tests" bash benchmarks/gpu_check.sh
+#
+# Logs and benchmark results go to $OUT (the device tool brings that folder back).
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/fast_causal_attn_out}
+mkdir -p "$OUT"
+STAGES=${STAGES:-"build tests sanitize bench"}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+status=0
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+
+if has build; then
+  start=$(date +%s)
+  if ! python -m pip install -v --no-deps --no-build-isolation --no-index -e . >"$OUT/build.log" 2>&1; then
+    grep -E "error|Error" "$OUT/build.log" | head -40
+    tail -20 "$OUT/build.log"
+    exit 1
+  fi
+  echo "build: $(( $(date +%s) - start )) s"
+  grep -h -A2 "Compiling entry" build/*/*.log 2>/dev/null | grep -E "spill" | sort | uniq -c | head -5
+fi
+
+if has tests; then
+  python -m pytest tests -q -k "cuda" --maxfail=30 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+  status=$(( status | $? ))
+fi
+
+if has sanitize; then
+  subset="test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$subset" \
+      -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$tool.log") reports; $(tail -1 "$OUT/sanitize_$tool.log")"
+    status=$(( status | rc ))
+  done
+fi
+
+if has bench; then
+  python benchmarks/benchmark.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+exit $status

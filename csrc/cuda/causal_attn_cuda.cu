@@ -1,0 +1,83 @@
+// CUDA backend: the launchers behind the ops and their registration for CUDA tensors.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "../ops.h"
+#include "causal_product.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+namespace {
+
+// grad_den[t] = -(dO[t] . O[t]) / den[t]: the one reduction over M that the normalized gradients of
+// q and k need per timestep (flash-attention's backward prepares its dO . O the same way).
+// One warp per (batch, head, timestep).
+template <typename scalar_t>
+__global__ void backward_prepare_kernel(const KernelParams p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  if (row >= p.B * p.H * p.L) return;
+  const int64_t t = row % p.L, pair = row / p.L, b = pair / p.H, h = pair % p.H;
+  const scalar_t* dout = row_ptr<scalar_t>(p.dout, b, h, t);
+  const scalar_t* out = row_ptr<scalar_t>(p.o, b, h, t);
+  acc_t dot = acc_t(0);
+  for (int64_t m = lane; m < p.M; m += kWarp) dot += acc_t(dout[m]) * acc_t(out[m]);
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+  if (lane == 0) {
+    static_cast<acc_t*>(p.grad_den)[row] = -dot / static_cast<const acc_t*>(p.den)[row];
+  }
+}
+
+void launch_forward_cuda(const ForwardParams& params) {
+  KernelParams p;
+  static_cast<ForwardParams&>(p) = params;
+  run_forward_pass(p, c10::cuda::getCurrentCUDAStream());
+}
+
+void launch_backward_cuda(const BackwardParams& params) {
+  KernelParams p;
+  static_cast<BackwardParams&>(p) = params;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor grad_den;
+  if (p.normalize) {
+    const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
+    grad_den = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
+    p.grad_den = grad_den.data_ptr();
+    constexpr int kThreads = 256;
+    const int64_t blocks = (p.B * p.H * p.L * kWarp + kThreads - 1) / kThreads;
+    TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: B * H * L too large: ", p.B * p.H * p.L);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare", [&] {
+      backward_prepare_kernel<scalar_t><<<unsigned(blocks), kThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  run_grad_q_pass(p, stream);
+  run_grad_k_pass(p, stream);
+  run_grad_v_pass(p, stream);
+}
+
+std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double scale, bool normalize, double eps, c10::string_view layout) {
+  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, &launch_forward_cuda);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
+                                                             const at::Tensor& k, const at::Tensor& v,
+                                                             const c10::optional<at::Tensor>& out,
+                                                             const c10::optional<at::Tensor>& den, double scale,
+                                                             bool normalize, c10::string_view layout) {
+  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, &launch_backward_cuda);
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
+  m.impl("forward", &cuda::forward_cuda);
+  m.impl("backward", &cuda::backward_cuda);
+}
+
+}  // namespace fast_causal_attn

@@ -1,0 +1,10 @@
+// The forward pass of the recurrent kernel family, every dtype and head-dim bucket.
+#include "causal_product.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+
+void run_forward_pass(const KernelParams& p, cudaStream_t stream) { run_pass_for_dtype<Pass::Forward>(p, stream); }
+
+}  // namespace cuda
+}  // namespace fast_causal_attn
