@@ -45,6 +45,6 @@ if has sanitize; then
 fi
 
 if has bench; then
-  python benchmarks/benchmark.py --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -30
+  python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
 fi
 exit $status

@@ -1,4 +1,7 @@
 // CUDA backend: the launchers behind the ops and their registration for CUDA tensors.
+#include <algorithm>
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -8,6 +11,27 @@
 
 namespace fast_causal_attn {
 namespace cuda {
+
+// The low-occupancy threshold: a launch with fewer threads than kThreadsPerSM per multiprocessor
+// splits time into segments until it has that many (see choose_segments in causal_product.cuh).
+constexpr int64_t kThreadsPerSM = 1024;
+constexpr int64_t kMinTilesPerSegment = 4;
+
+int64_t choose_segments(int64_t blocks, int threads, int64_t L) {
+  // FAST_CAUSAL_ATTN_SEGMENTS=N forces N segments (1: the tiled variant alone), for measuring.
+  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_SEGMENTS")) {
+    const int64_t n = std::atoll(forced);
+    if (n >= 1) return n;
+  }
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t target_blocks = sms * kThreadsPerSM / threads;
+  if (blocks >= target_blocks) return 1;
+  const int64_t most = std::max<int64_t>(1, L / (kMinTilesPerSegment * kSteps));
+  return std::min((target_blocks + blocks - 1) / blocks, most);
+}
+
 namespace {
 
 // grad_den[t] = -(dO[t] . O[t]) / den[t]: the one reduction over M that the normalized gradients of
@@ -20,8 +44,8 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
   const int lane = threadIdx.x % kWarp;
   if (row >= p.B * p.H * p.L) return;
   const int64_t t = row % p.L, pair = row / p.L, b = pair / p.H, h = pair % p.H;
-  const scalar_t* dout = row_ptr<scalar_t>(p.dout, b, h, t);
-  const scalar_t* out = row_ptr<scalar_t>(p.o, b, h, t);
+  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t);
+  const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t);
   acc_t dot = acc_t(0);
   for (int64_t m = lane; m < p.M; m += kWarp) dot += acc_t(dout[m]) * acc_t(out[m]);
 #pragma unroll

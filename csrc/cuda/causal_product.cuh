@@ -33,34 +33,36 @@ enum class Pass { Forward, GradQ, GradK, GradV };
 struct KernelParams : BackwardParams {
   // -(dO[t] . O[t]) / den[t], made by backward_prepare_kernel when normalize.
   void* grad_den = nullptr;  // [B, H, L] contiguous, accumulation dtype
+
   // Head dims above the largest bucket split the state's rows into slabs, one block each; the
   // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel
   // writes the output. Unused (nullptr, 1 slab) otherwise.
   int64_t slabs = 1;
   void* slab_out = nullptr;  // [B, H, L, Dc] contiguous, accumulation dtype, zeroed
   void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
+
+  // The low-occupancy variant splits time into segments, one block each: a first launch
+  // (state_only) sums each segment's state into seg_*, the second starts each segment from the
+  // sum of the segments before it (after it, in reverse). One segment: the tiled variant.
+  int64_t segments = 1;
+  int64_t segment_len = 0;      // timesteps per segment, a multiple of kSteps
+  bool state_only = false;
+  void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
+  void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
+  void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
 };
 
-template <typename scalar_t>
-__device__ __forceinline__ const scalar_t* row_ptr(const StridedTensor& t, int64_t b, int64_t h, int64_t s) {
-  return static_cast<const scalar_t*>(t.ptr) + t.offset(b, h, s);
-}
-
-template <typename scalar_t>
-__device__ __forceinline__ scalar_t* mutable_row_ptr(const StridedTensor& t, int64_t b, int64_t h, int64_t s) {
-  return static_cast<scalar_t*>(t.ptr) + t.offset(b, h, s);
-}
-
 // What a, b and c are in each pass, element by element (r indexes a and b, m indexes c), and
-// what becomes of the output. den and grad_den point at this (batch, head)'s [L] slice.
+// what becomes of the output:
 //
 //   forward  a = q' = scale q   b = k            c = v          out = a S [/ den]
 //   grad q   a = g              b = v            c = k          dq  = scale * out
 //   grad k   a = v              b = g            c = q'         dk  = out        (reverse)
 //   grad v   a = k              b = q'           c = g          dv  = out        (reverse)
+//
 // with g = dO / den under normalize (dO otherwise). Under normalize the gradients of q and k also
-// have an extra row, the 1 of [v, 1] against the c = -(g . O) of [g, c]; forward normalize adds
-// the denominator q' . sum k (an extra column of ones in c).
+// have an extra row, the 1 of [v, 1] against the -(g . O) of [g, -(g . O)]; forward normalize
+// adds the denominator q' . sum k (a column of ones in c).
 template <Pass P>
 struct PassTraits {
   static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV;
@@ -70,37 +72,53 @@ struct PassTraits {
 
 template <Pass P, typename scalar_t, typename acc_t>
 struct Operands {
-  const KernelParams& p;
-  int64_t b, h;
+  const scalar_t *q, *k, *v, *dout;  // this (batch, head)'s rows
+  int64_t q_l, k_l, v_l, dout_l;     // their timestep strides
+  scalar_t* out;                     // o, dq, dk or dv
+  int64_t out_l;
+  acc_t scale;
   const acc_t* den;       // [L] in the gradients under normalize, else nullptr
   const acc_t* grad_den;  // [L] in the gradients of q and k under normalize, else nullptr
 
-  __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
+  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_)
+      : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, 0)),
+        k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0)),
+        v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, 0)),
+        dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, 0)),
+        q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
+        scale(acc_t(p.scale)), den(den_), grad_den(grad_den_) {
+    const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
+    out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, 0);
+    out_l = o.stride_l;
+  }
 
-  __device__ acc_t a_at(int64_t s, int r) const {
+  __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
+  __device__ acc_t grad(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]) * inv_den(s); }
+
+  __device__ acc_t a_at(int64_t s, int64_t r) const {
     switch (P) {
-      case Pass::Forward: return acc_t(p.scale) * acc_t(row_ptr<scalar_t>(p.q, b, h, s)[r]);
-      case Pass::GradQ: return acc_t(row_ptr<scalar_t>(p.dout, b, h, s)[r]) * inv_den(s);
-      case Pass::GradK: return acc_t(row_ptr<scalar_t>(p.v, b, h, s)[r]);
-      case Pass::GradV: return acc_t(row_ptr<scalar_t>(p.k, b, h, s)[r]);
+      case Pass::Forward: return scale * acc_t(q[s * q_l + r]);
+      case Pass::GradQ: return grad(s, r);
+      case Pass::GradK: return acc_t(v[s * v_l + r]);
+      case Pass::GradV: return acc_t(k[s * k_l + r]);
     }
     return acc_t(0);
   }
-  __device__ acc_t b_at(int64_t s, int r) const {
+  __device__ acc_t b_at(int64_t s, int64_t r) const {
     switch (P) {
-      case Pass::Forward: return acc_t(row_ptr<scalar_t>(p.k, b, h, s)[r]);
-      case Pass::GradQ: return acc_t(row_ptr<scalar_t>(p.v, b, h, s)[r]);
-      case Pass::GradK: return acc_t(row_ptr<scalar_t>(p.dout, b, h, s)[r]) * inv_den(s);
-      case Pass::GradV: return acc_t(p.scale) * acc_t(row_ptr<scalar_t>(p.q, b, h, s)[r]);
+      case Pass::Forward: return acc_t(k[s * k_l + r]);
+      case Pass::GradQ: return acc_t(v[s * v_l + r]);
+      case Pass::GradK: return grad(s, r);
+      case Pass::GradV: return scale * acc_t(q[s * q_l + r]);
     }
     return acc_t(0);
   }
   __device__ acc_t c_at(int64_t s, int64_t m) const {
     switch (P) {
-      case Pass::Forward: return acc_t(row_ptr<scalar_t>(p.v, b, h, s)[m]);
-      case Pass::GradQ: return acc_t(row_ptr<scalar_t>(p.k, b, h, s)[m]);
-      case Pass::GradK: return acc_t(p.scale) * acc_t(row_ptr<scalar_t>(p.q, b, h, s)[m]);
-      case Pass::GradV: return acc_t(row_ptr<scalar_t>(p.dout, b, h, s)[m]) * inv_den(s);
+      case Pass::Forward: return acc_t(v[s * v_l + m]);
+      case Pass::GradQ: return acc_t(k[s * k_l + m]);
+      case Pass::GradK: return scale * acc_t(q[s * q_l + m]);
+      case Pass::GradV: return grad(s, m);
     }
     return acc_t(0);
   }
@@ -110,90 +128,164 @@ struct Operands {
 
   // denominator: the forward's normalizer at s (1 without normalize).
   __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
-    switch (P) {
-      case Pass::Forward: mutable_row_ptr<scalar_t>(p.o, b, h, s)[m] = scalar_t(value / denominator); break;
-      case Pass::GradQ: mutable_row_ptr<scalar_t>(p.dq, b, h, s)[m] = scalar_t(acc_t(p.scale) * value); break;
-      case Pass::GradK: mutable_row_ptr<scalar_t>(p.dk, b, h, s)[m] = scalar_t(value); break;
-      case Pass::GradV: mutable_row_ptr<scalar_t>(p.dv, b, h, s)[m] = scalar_t(value); break;
-    }
+    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value : value;
+    out[s * out_l + m] = scalar_t(result);
   }
 };
 
-// Shared memory of one block, in accumulation-type elements: the a and b tiles (later reused for
-// the partial sums), the c tile, the extra row, the normalizer's partial sums and the normalizer.
+// ROWS consecutive accumulation-type values from shared memory, 16 bytes at a time.
+template <int ROWS, typename acc_t>
+__device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) {
+  constexpr int kVec = 16 / sizeof(acc_t);
+  if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 4) {
+#pragma unroll
+    for (int i = 0; i < ROWS / 4; ++i) {
+      const float4 x = reinterpret_cast<const float4*>(src)[i];
+      dst[4 * i] = x.x, dst[4 * i + 1] = x.y, dst[4 * i + 2] = x.z, dst[4 * i + 3] = x.w;
+    }
+  } else if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 8) {
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) {
+      const double2 x = reinterpret_cast<const double2*>(src)[i];
+      dst[2 * i] = x.x, dst[2 * i + 1] = x.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) dst[i] = src[i];
+  }
+}
+
+// Shared memory of one block, in accumulation-type elements: the a and b tiles, the partial sums
+// of the outputs, the c tile, the extra row, the normalizer's partial sums and the normalizer.
 template <int ROWS, int GROUPS>
 struct SmemLayout {
   static constexpr int kRows = ROWS * GROUPS;
-  static constexpr int kTiles = 2 * kSteps * kRows;
+  static constexpr int kAB = 2 * kSteps * kRows;
   static constexpr int kPartials = GROUPS * kSteps * kCols;
-  static constexpr int kAB = kTiles > kPartials ? kTiles : kPartials;
   static constexpr int kC = kSteps * kCols;
   static constexpr int kExtra = 2 * kSteps;
   static constexpr int kDenPartials = GROUPS * kSteps;
   static constexpr int kDen = kSteps;
-  static constexpr int kElements = kAB + kC + kExtra + kDenPartials + kDen;
+  static constexpr int kElements = kAB + kPartials + kC + kExtra + kDenPartials + kDen;
 };
 
-// grid.x = (batch * heads) * column tiles * slabs; block = GROUPS warps; slab i holds rows
-// [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da rows.
+// grid.x = (((batch * heads) * column tiles + column tile) * slabs + slab) * segments + segment;
+// block = GROUPS warps. Slab i holds rows [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da
+// rows, segment j timesteps [j * segment_len, (j + 1) * segment_len).
+// Blocks per multiprocessor the register budget is set for: 128 registers a thread.
+template <int GROUPS>
+constexpr int kMinBlocks = 2048 / (GROUPS * kWarp) / 4;
+
 template <Pass P, typename scalar_t, int ROWS, int GROUPS>
-__global__ void __launch_bounds__(GROUPS * kWarp)
+__global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     causal_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using acc_t = at::opmath_type<scalar_t>;
   using Traits = PassTraits<P>;
   using Smem = SmemLayout<ROWS, GROUPS>;
   constexpr int kRows = Smem::kRows;
   constexpr int kThreads = GROUPS * kWarp;
+  constexpr int kTileLoads = kSteps * kRows / kThreads;  // a and b elements each thread stages
+  constexpr int kColLoads = kSteps * kCols / kThreads;   // c elements each thread stages
+  constexpr int kLoadBatch = 8;                           // loads in flight per thread while staging
+  static_assert(kSteps * kRows % kThreads == 0 && kSteps * kCols % kThreads == 0, "tile loads must divide evenly");
+  static_assert(ROWS % 4 == 0, "rows are read from shared memory 16 bytes at a time");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  acc_t* a_s = reinterpret_cast<acc_t*>(smem_raw);  // [kSteps][kRows]
-  acc_t* b_s = a_s + kSteps * kRows;                // [kSteps][kRows]
-  acc_t* partial_s = a_s;                           // [GROUPS][kSteps][kCols], once a, b are used
-  acc_t* c_s = a_s + Smem::kAB;                     // [kSteps][kCols]
-  acc_t* extra_s = c_s + Smem::kC;                  // [2][kSteps]: extra row's a, then b
-  acc_t* den_partial_s = extra_s + Smem::kExtra;    // [GROUPS][kSteps]
+  acc_t* a_s = reinterpret_cast<acc_t*>(smem_raw);    // [kSteps][kRows]
+  acc_t* b_s = a_s + kSteps * kRows;                  // [kSteps][kRows]
+  acc_t* partial_s = a_s + Smem::kAB;                 // [GROUPS][kSteps][kCols]
+  acc_t* c_s = partial_s + Smem::kPartials;           // [kSteps][kCols]
+  acc_t* extra_s = c_s + Smem::kC;                    // [2][kSteps]: extra row's a, then b
+  acc_t* den_partial_s = extra_s + Smem::kExtra;      // [GROUPS][kSteps]
   acc_t* den_s = den_partial_s + Smem::kDenPartials;  // [kSteps]
 
   const int tid = threadIdx.x, group = tid / kWarp, lane = tid % kWarp, row0 = group * ROWS;
-  const int64_t slab = blockIdx.x % p.slabs, tile_index = blockIdx.x / p.slabs;
-  const int64_t col_tile = tile_index % col_tiles, pair = tile_index / col_tiles;
+  int64_t index = blockIdx.x;
+  const int64_t segment = index % p.segments;
+  index /= p.segments;
+  const int64_t slab = index % p.slabs;
+  index /= p.slabs;
+  const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
   const int64_t b = pair / p.H, h = pair % p.H;
   const int64_t row_base = slab * kRows;
-  const bool split = p.slabs > 1;
   const int64_t m0 = col_tile * kCols;
   const int cols = int(Dc - m0 < kCols ? Dc - m0 : kCols);
   const int64_t L = p.L;
+  const bool split_rows = p.slabs > 1;
+  const bool state_only = p.state_only;
 
   const bool normalize = p.normalize;
   const bool extra_row = Traits::kMayHaveExtraRow && normalize && slab == 0;
   const bool denominator = Traits::kMayHaveDenominator && normalize;
-  acc_t* den_out = denominator ? static_cast<acc_t*>(p.den) + pair * L : nullptr;
   const acc_t* den_in =
       (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
   const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
-  const Operands<P, scalar_t, acc_t> ops{p, b, h, den_in, grad_den};
+  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den);
 
-  acc_t state[ROWS];
-  acc_t key_sum[ROWS];  // sum_s b[s] over this thread's rows: the normalizer's state
+  // This thread's rows of the state (its lane's column), of the sum of b (the normalizer's
+  // state) and, under an extra row, sum_s extra_b[s] c[s][lane].
+  acc_t state[ROWS], key_sum[ROWS];
+  acc_t extra_state = acc_t(0);
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) state[r] = key_sum[r] = acc_t(0);
-  acc_t extra_state = acc_t(0);  // sum_s extra_b[s] c[s][lane]
 
-  const int64_t tiles = (L + kSteps - 1) / kSteps;
-  for (int64_t it = 0; it < tiles; ++it) {
-    const int64_t t0 = (Traits::kReverse ? tiles - 1 - it : it) * kSteps;
-    const int n = int(L - t0 < kSteps ? L - t0 : kSteps);
-
-    // Stage the tile; rows past L or Da and columns past Dc are zero, so they add nothing.
-    for (int i = tid; i < kSteps * kRows; i += kThreads) {
-      const int t = i / kRows, r = i % kRows;
-      const bool valid = t < n && row_base + r < Da;
-      a_s[i] = valid ? ops.a_at(t0 + t, int(row_base + r)) : acc_t(0);
-      b_s[i] = valid ? ops.b_at(t0 + t, int(row_base + r)) : acc_t(0);
+  // Segment states: index of (segment j, global row, column) in the workspace.
+  const int64_t col = m0 + lane;
+  auto seg_index = [&](int64_t j, int64_t row) { return ((pair * p.segments + j) * Da + row) * Dc + col; };
+  if (p.segments > 1 && !state_only) {  // start from the segments before this one (after, in reverse)
+    const int64_t first = Traits::kReverse ? segment + 1 : 0;
+    const int64_t last = Traits::kReverse ? p.segments : segment;
+    const acc_t* seg_state = static_cast<const acc_t*>(p.seg_state);
+    for (int64_t j = first; j < last; ++j) {
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const int64_t row = row_base + row0 + r;
+        if (row < Da && lane < cols) state[r] += seg_state[seg_index(j, row)];
+        if (denominator && row < Da) key_sum[r] += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + j) * Da + row];
+      }
+      if (extra_row && lane < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + col];
     }
-    for (int i = tid; i < kSteps * kCols; i += kThreads) {
-      const int t = i / kCols, m = i % kCols;
-      c_s[i] = (t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
+  }
+
+  const int64_t seg_begin = segment * p.segment_len;
+  const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
+  const int64_t tiles = seg_end > seg_begin ? (seg_end - seg_begin + kSteps - 1) / kSteps : 0;
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int64_t t0 = seg_begin + (Traits::kReverse ? tiles - 1 - it : it) * kSteps;
+    const int n = int(seg_end - t0 < kSteps ? seg_end - t0 : kSteps);
+
+    // Stage the tile, kLoadBatch loads in flight before their stores. Rows past the segment or
+    // Da and columns past Dc are zero, so they add nothing.
+#pragma unroll 1
+    for (int k0 = 0; k0 < kTileLoads; k0 += kLoadBatch) {
+      acc_t a_r[kLoadBatch], b_r[kLoadBatch];
+#pragma unroll
+      for (int kk = 0; kk < kLoadBatch; ++kk) {
+        const int i = tid + (k0 + kk) * kThreads, t = i / kRows, r = i % kRows;
+        const bool valid = k0 + kk < kTileLoads && t < n && row_base + r < Da;
+        a_r[kk] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
+        b_r[kk] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kLoadBatch; ++kk) {
+        if (k0 + kk < kTileLoads) {
+          a_s[tid + (k0 + kk) * kThreads] = a_r[kk];
+          b_s[tid + (k0 + kk) * kThreads] = b_r[kk];
+        }
+      }
+    }
+#pragma unroll 1
+    for (int k0 = 0; k0 < kColLoads; k0 += kLoadBatch) {
+      acc_t c_r[kLoadBatch];
+#pragma unroll
+      for (int kk = 0; kk < kLoadBatch; ++kk) {
+        const int i = tid + (k0 + kk) * kThreads, t = i / kCols, m = i % kCols;
+        c_r[kk] = (k0 + kk < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
+      }
+#pragma unroll
+      for (int kk = 0; kk < kLoadBatch; ++kk) {
+        if (k0 + kk < kColLoads) c_s[tid + (k0 + kk) * kThreads] = c_r[kk];
+      }
     }
     if (extra_row && tid < kSteps) {
       extra_s[tid] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
@@ -203,7 +295,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp)
 
     // The normalizer q'[t] . sum_{s<=t} k[s]: lanes are timesteps here, a prefix sum over lanes
     // per row, then a dot product with a (forward only, so never reversed).
-    if (denominator) {
+    if (denominator && !state_only) {
       acc_t den_partial = acc_t(0);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
@@ -219,56 +311,70 @@ __global__ void __launch_bounds__(GROUPS * kWarp)
       den_partial_s[group * kSteps + lane] = den_partial;
     }
 
-    // The recurrence: this thread's rows of the state, its lane's column.
-    acc_t part[kSteps];
+    if (state_only) {  // the segment's sum of b c^T (and of b, and of extra_b c) only
+#pragma unroll 4
+      for (int t = 0; t < kSteps; ++t) {
+        const acc_t cv = c_s[t * kCols + lane];
+        acc_t b_t[ROWS];
+        load_rows<ROWS>(b_s + t * kRows + row0, b_t);
 #pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          state[r] += b_t[r] * cv;
+          if (denominator) key_sum[r] += b_t[r];
+        }
+        if (extra_row) extra_state += extra_s[kSteps + t] * cv;
+      }
+      __syncthreads();  // the next tile overwrites shared memory
+      continue;
+    }
+
+    // The recurrence: this thread's rows of the state, its lane's column.
+#pragma unroll 2
     for (int j = 0; j < kSteps; ++j) {
       const int t = Traits::kReverse ? kSteps - 1 - j : j;
       const acc_t cv = c_s[t * kCols + lane];
-      const acc_t* a_t = a_s + t * kRows + row0;
-      const acc_t* b_t = b_s + t * kRows + row0;
+      acc_t a_t[ROWS], b_t[ROWS];
+      load_rows<ROWS>(a_s + t * kRows + row0, a_t);
+      load_rows<ROWS>(b_s + t * kRows + row0, b_t);
       acc_t sum0 = acc_t(0), sum1 = acc_t(0);
 #pragma unroll
       for (int r = 0; r < ROWS; r += 2) {
         state[r] += b_t[r] * cv;
         sum0 += a_t[r] * state[r];
-        if (r + 1 < ROWS) {
-          state[r + 1] += b_t[r + 1] * cv;
-          sum1 += a_t[r + 1] * state[r + 1];
-        }
+        state[r + 1] += b_t[r + 1] * cv;
+        sum1 += a_t[r + 1] * state[r + 1];
       }
       if (extra_row) {
         extra_state += extra_s[kSteps + t] * cv;
         if (group == 0) sum0 += extra_s[t] * extra_state;
       }
-      part[t] = sum0 + sum1;
+      partial_s[(group * kSteps + t) * kCols + lane] = sum0 + sum1;
     }
-    __syncthreads();  // a_s and b_s become partial_s
+    __syncthreads();
 
-#pragma unroll
-    for (int t = 0; t < kSteps; ++t) partial_s[(group * kSteps + t) * kCols + lane] = part[t];
     if (denominator && tid < kSteps) {
-      acc_t d = split ? acc_t(0) : acc_t(p.eps);
+      acc_t d = split_rows ? acc_t(0) : acc_t(p.eps);
 #pragma unroll
       for (int g = 0; g < GROUPS; ++g) d += den_partial_s[g * kSteps + tid];
       den_s[tid] = d;
       if (col_tile == 0 && tid < n) {
-        if (split) {
+        if (split_rows) {
           atomicAdd(static_cast<acc_t*>(p.slab_den) + pair * L + t0 + tid, d);
         } else {
-          den_out[t0 + tid] = d;
+          static_cast<acc_t*>(p.den)[pair * L + t0 + tid] = d;
         }
       }
     }
     __syncthreads();
 
-    for (int i = tid; i < kSteps * kCols; i += kThreads) {
-      const int t = i / kCols, m = i % kCols;
+#pragma unroll
+    for (int k = 0; k < kColLoads; ++k) {
+      const int i = tid + k * kThreads, t = i / kCols, m = i % kCols;
       if (t < n && m < cols) {
         acc_t sum = acc_t(0);
 #pragma unroll
         for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kSteps + t) * kCols + m];
-        if (split) {
+        if (split_rows) {
           atomicAdd(static_cast<acc_t*>(p.slab_out) + (pair * L + t0 + t) * Dc + m0 + m, sum);
         } else {
           ops.store(t0 + t, m0 + m, sum, denominator ? den_s[t] : acc_t(1));
@@ -276,6 +382,21 @@ __global__ void __launch_bounds__(GROUPS * kWarp)
       }
     }
     __syncthreads();  // the next tile overwrites shared memory
+  }
+
+  if (state_only) {
+    acc_t* seg_state = static_cast<acc_t*>(p.seg_state);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = row_base + row0 + r;
+      if (row < Da && lane < cols) seg_state[seg_index(segment, row)] = state[r];
+      if (denominator && row < Da && lane == 0 && col_tile == 0) {
+        static_cast<acc_t*>(p.seg_key_sum)[(pair * p.segments + segment) * Da + row] = key_sum[r];
+      }
+    }
+    if (extra_row && lane < cols && group == 0) {
+      static_cast<acc_t*>(p.seg_extra)[(pair * p.segments + segment) * Dc + col] = extra_state;
+    }
   }
 }
 
@@ -288,7 +409,7 @@ __global__ void finish_slabs_kernel(const KernelParams p, int64_t Dc) {
   const int64_t m = i % Dc, row = i / Dc, s = row % p.L, pair = row / p.L;
   const bool normalize = p.normalize;
   const acc_t* den = (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * p.L : nullptr;
-  const Operands<P, scalar_t, acc_t> ops{p, pair / p.H, pair % p.H, den, nullptr};
+  const Operands<P, scalar_t, acc_t> ops(p, pair / p.H, pair % p.H, den, nullptr);
   acc_t denominator = acc_t(1);
   if (P == Pass::Forward && normalize) {
     denominator = static_cast<const acc_t*>(p.slab_den)[row] + acc_t(p.eps);
@@ -297,35 +418,65 @@ __global__ void finish_slabs_kernel(const KernelParams p, int64_t Dc) {
   ops.store(s, m, static_cast<const acc_t*>(p.slab_out)[i], denominator);
 }
 
+// How many time segments (blocks along time) a launch of `blocks` blocks of `threads` threads
+// gets: enough to give every multiprocessor kBlocksPerSM blocks' worth of threads, while each
+// segment keeps at least kMinTilesPerSegment tiles (below that the extra state pass and the
+// prefix sums cost more than the parallelism gains).
+int64_t choose_segments(int64_t blocks, int threads, int64_t L);
+
 template <Pass P, typename scalar_t, int ROWS, int GROUPS>
 void launch_causal_product(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr int kThreads = GROUPS * kWarp;
+  const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
   KernelParams p = params;
+  const int64_t pairs = p.B * p.H;
+
   p.slabs = (Da + ROWS * GROUPS - 1) / (ROWS * GROUPS);
   at::Tensor slab_out, slab_den;
   if (p.slabs > 1) {
-    const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
-    slab_out = at::zeros({p.B * p.H * p.L * Dc}, options);
-    slab_den = at::zeros({p.normalize ? p.B * p.H * p.L : 0}, options);
+    slab_out = at::zeros({pairs * p.L * Dc}, options);
+    slab_den = at::zeros({p.normalize ? pairs * p.L : 0}, options);
     p.slab_out = slab_out.data_ptr();
     p.slab_den = slab_den.data_ptr();
   }
+
   const int64_t col_tiles = (Dc + kCols - 1) / kCols;
-  const int64_t blocks = p.B * p.H * col_tiles * p.slabs;
+  p.segments = choose_segments(pairs * col_tiles * p.slabs, kThreads, p.L);
+  p.segment_len = ((p.L + p.segments - 1) / p.segments + kSteps - 1) / kSteps * kSteps;
+  p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
+  at::Tensor seg_state, seg_key_sum, seg_extra;
+  if (p.segments > 1) {
+    seg_state = at::empty({pairs * p.segments * Da * Dc}, options);
+    seg_key_sum = at::empty({P == Pass::Forward && p.normalize ? pairs * p.segments * Da : 0}, options);
+    seg_extra = at::empty({P != Pass::Forward && p.normalize ? pairs * p.segments * Dc : 0}, options);
+    p.seg_state = seg_state.data_ptr();
+    p.seg_key_sum = seg_key_sum.data_ptr();
+    p.seg_extra = seg_extra.data_ptr();
+  }
+
+  const int64_t blocks = pairs * col_tiles * p.slabs * p.segments;
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   const size_t smem = SmemLayout<ROWS, GROUPS>::kElements * sizeof(acc_t);
   auto kernel = causal_product_kernel<P, scalar_t, ROWS, GROUPS>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
-  kernel<<<dim3(unsigned(blocks)), dim3(GROUPS * kWarp), smem, stream>>>(p, Da, Dc, col_tiles);
+  if (p.segments > 1) {
+    KernelParams sums = p;
+    sums.state_only = true;
+    kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(sums, Da, Dc, col_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, Da, Dc, col_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+
   if (p.slabs > 1) {
-    constexpr int kThreads = 256;
-    const int64_t elements = p.B * p.H * p.L * Dc;
-    const int64_t finish_blocks = (elements + kThreads - 1) / kThreads;
+    constexpr int kFinishThreads = 256;
+    const int64_t elements = pairs * p.L * Dc;
+    const int64_t finish_blocks = (elements + kFinishThreads - 1) / kFinishThreads;
     TORCH_CHECK(finish_blocks <= int64_t(0x7fffffff), "fast_causal_attn: output too large: ", elements);
-    finish_slabs_kernel<P, scalar_t><<<unsigned(finish_blocks), kThreads, 0, stream>>>(p, Dc);
+    finish_slabs_kernel<P, scalar_t><<<unsigned(finish_blocks), kFinishThreads, 0, stream>>>(p, Dc);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
