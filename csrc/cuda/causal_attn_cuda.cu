@@ -14,7 +14,11 @@ namespace cuda {
 
 // The low-occupancy threshold: a launch with fewer threads than kThreadsPerSM per multiprocessor
 // splits time into segments until it has that many (see choose_segments in causal_product.cuh).
-constexpr int64_t kThreadsPerSM = 1024;
+// Measured on the H200 (fp32 ms, fwd / fwd+bwd, one segment -> split): 2,4,8192,64 (16 blocks):
+// 2.76 / 11.1 -> 0.31 / 1.18; 4,16,8192,64 (128 blocks): 2.81 / 11.7 -> 1.59 / 6.6;
+// 1,16,32768,128: 13.0 / 53.4 -> 6.1 / 28.0; but 8,16,2048,128 (512 blocks of 256 threads, two
+// segments at 1024 threads per SM): 1.81 / 7.29 -> 2.40 / 10.9, so the bar sits at 512.
+constexpr int64_t kThreadsPerSM = 512;
 constexpr int64_t kMinTilesPerSegment = 4;
 
 int64_t choose_segments(int64_t blocks, int threads, int64_t L) {

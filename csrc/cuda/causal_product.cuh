@@ -155,6 +155,37 @@ __device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) 
   }
 }
 
+// One tile of the recurrence for one thread: its ROWS rows of the state, one column of c. The
+// restrict-qualified pointers tell the compiler that the partial sums it stores never alias the
+// tiles it reads, so the loads of the next steps move ahead of the stores.
+template <int ROWS, int kRows, bool REVERSE, typename acc_t>
+__device__ __forceinline__ void recurrence_tile(const acc_t* __restrict__ a, const acc_t* __restrict__ b,
+                                                const acc_t* __restrict__ c, const acc_t* __restrict__ extra,
+                                                acc_t* __restrict__ partial, acc_t (&state)[ROWS],
+                                                acc_t& extra_state, bool extra_row, bool add_extra) {
+#pragma unroll 4
+  for (int j = 0; j < kSteps; ++j) {
+    const int t = REVERSE ? kSteps - 1 - j : j;
+    const acc_t cv = c[t * kCols];
+    acc_t a_t[ROWS], b_t[ROWS];
+    load_rows<ROWS>(a + t * kRows, a_t);
+    load_rows<ROWS>(b + t * kRows, b_t);
+    acc_t sum0 = acc_t(0), sum1 = acc_t(0);
+#pragma unroll
+    for (int r = 0; r < ROWS; r += 2) {
+      state[r] += b_t[r] * cv;
+      sum0 += a_t[r] * state[r];
+      state[r + 1] += b_t[r + 1] * cv;
+      sum1 += a_t[r + 1] * state[r + 1];
+    }
+    if (extra_row) {
+      extra_state += extra[kSteps + t] * cv;
+      if (add_extra) sum0 += extra[t] * extra_state;
+    }
+    partial[t * kCols] = sum0 + sum1;
+  }
+}
+
 // Shared memory of one block, in accumulation-type elements: the a and b tiles, the partial sums
 // of the outputs, the c tile, the extra row, the normalizer's partial sums and the normalizer.
 template <int ROWS, int GROUPS>
@@ -173,11 +204,11 @@ struct SmemLayout {
 // block = GROUPS warps. Slab i holds rows [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da
 // rows, segment j timesteps [j * segment_len, (j + 1) * segment_len).
 // Blocks per multiprocessor the register budget is set for: 128 registers a thread.
-template <int GROUPS>
-constexpr int kMinBlocks = 2048 / (GROUPS * kWarp) / 4;
+template <int ROWS, int GROUPS>
+constexpr int kMinBlocks = 65536 / (GROUPS * kWarp * 128);
 
 template <Pass P, typename scalar_t, int ROWS, int GROUPS>
-__global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
+__global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<ROWS, GROUPS>)
     causal_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using acc_t = at::opmath_type<scalar_t>;
   using Traits = PassTraits<P>;
@@ -329,27 +360,9 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     }
 
     // The recurrence: this thread's rows of the state, its lane's column.
-#pragma unroll 2
-    for (int j = 0; j < kSteps; ++j) {
-      const int t = Traits::kReverse ? kSteps - 1 - j : j;
-      const acc_t cv = c_s[t * kCols + lane];
-      acc_t a_t[ROWS], b_t[ROWS];
-      load_rows<ROWS>(a_s + t * kRows + row0, a_t);
-      load_rows<ROWS>(b_s + t * kRows + row0, b_t);
-      acc_t sum0 = acc_t(0), sum1 = acc_t(0);
-#pragma unroll
-      for (int r = 0; r < ROWS; r += 2) {
-        state[r] += b_t[r] * cv;
-        sum0 += a_t[r] * state[r];
-        state[r + 1] += b_t[r + 1] * cv;
-        sum1 += a_t[r + 1] * state[r + 1];
-      }
-      if (extra_row) {
-        extra_state += extra_s[kSteps + t] * cv;
-        if (group == 0) sum0 += extra_s[t] * extra_state;
-      }
-      partial_s[(group * kSteps + t) * kCols + lane] = sum0 + sum1;
-    }
+    recurrence_tile<ROWS, kRows, Traits::kReverse>(a_s + row0, b_s + row0, c_s + lane, extra_s,
+                                                  partial_s + group * kSteps * kCols + lane, state, extra_state,
+                                                  extra_row, extra_row && group == 0);
     __syncthreads();
 
     if (denominator && tid < kSteps) {
@@ -487,14 +500,18 @@ void run_pass(const KernelParams& p, cudaStream_t stream) {
   const bool a_is_e = P == Pass::Forward || P == Pass::GradV;
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
+  // 8 rows a thread beat 16 at every benchmark shape with E = 64 and 128 (H200, fp32, fwd+bwd ms,
+  // 16 -> 8 rows: 8,16,2048,64: 3.54 -> 2.86; 4,16,8192,64: 7.88 -> 7.25; 8,16,2048,128: 7.13 ->
+  // 6.91; 2,4,8192,64: 0.82 -> 0.76; 1,16,32768,128: 32.5 -> 29.0): ncu showed the 16-row kernel
+  // stalled on shared-memory loads half the time at 25% occupancy; more, shorter rows hide it.
   if (Da <= 32) {
     launch_causal_product<P, scalar_t, 8, 4>(p, Da, Dc, stream);
   } else if (Da <= 48) {
     launch_causal_product<P, scalar_t, 12, 4>(p, Da, Dc, stream);
   } else if (Da <= 64) {
-    launch_causal_product<P, scalar_t, 16, 4>(p, Da, Dc, stream);
+    launch_causal_product<P, scalar_t, 8, 8>(p, Da, Dc, stream);
   } else if (Da <= 128) {
-    launch_causal_product<P, scalar_t, 16, 8>(p, Da, Dc, stream);
+    launch_causal_product<P, scalar_t, 8, 16>(p, Da, Dc, stream);
   } else {  // 256 rows a block; above that, slabs of 256
     launch_causal_product<P, scalar_t, 32, 8>(p, Da, Dc, stream);
   }
