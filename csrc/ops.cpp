@@ -208,28 +208,18 @@ TORCH_LIBRARY(fast_causal_attn, m) {
 }
 
 #ifndef FAST_CAUSAL_ATTN_WITH_CUDA
-// A CPU-only build still answers CUDA tensors with a message that says what to do.
+// A CPU-only build still checks CUDA inputs, then says what to do.
 namespace {
-[[noreturn]] void no_cuda() {
+template <typename Params>
+void no_cuda(const Params&) {
   TORCH_CHECK(false, "fast_causal_attn was built without CUDA support; reinstall it where a CUDA toolkit and a "
                      "CUDA build of torch are present (or set FAST_CAUSAL_ATTN_BUILD=cuda)");
-}
-std::tuple<at::Tensor, at::Tensor> forward_no_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                   bool, double, c10::string_view) {
-  no_cuda();
-}
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_no_cuda(const at::Tensor&, const at::Tensor&,
-                                                                const at::Tensor&, const at::Tensor&,
-                                                                const c10::optional<at::Tensor>&,
-                                                                const c10::optional<at::Tensor>&, double, bool,
-                                                                c10::string_view) {
-  no_cuda();
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
-  m.impl("forward", &forward_no_cuda);
-  m.impl("backward", &backward_no_cuda);
+  m.impl("forward", &forward_op<&no_cuda<ForwardParams>>);
+  m.impl("backward", &backward_op<&no_cuda<BackwardParams>>);
 }
 #endif
 

@@ -28,4 +28,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
     const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den, double scale,
     bool normalize, c10::string_view layout, BackwardLauncher launch);
 
+// A backend's op implementations are these two, instantiated with its launchers:
+//   m.impl("forward", &forward_op<&launch_forward_cpu>);
+template <ForwardLauncher launch>
+std::tuple<at::Tensor, at::Tensor> forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              double scale, bool normalize, double eps, c10::string_view layout) {
+  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, launch);
+}
+
+template <BackwardLauncher launch>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out, const at::Tensor& q,
+                                                           const at::Tensor& k, const at::Tensor& v,
+                                                           const c10::optional<at::Tensor>& out,
+                                                           const c10::optional<at::Tensor>& den, double scale,
+                                                           bool normalize, c10::string_view layout) {
+  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, launch);
+}
+
 }  // namespace fast_causal_attn

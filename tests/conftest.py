@@ -1,3 +1,5 @@
+import zlib
+
 import pytest
 import torch
 
@@ -15,3 +17,9 @@ def nan_filled_outputs():
     yield
     torch.use_deterministic_algorithms(previous[0])
     torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+
+
+@pytest.fixture(autouse=True)
+def seeded_rng(request):
+    """Fresh random data in every test, the same on every run: a failure reproduces."""
+    torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))

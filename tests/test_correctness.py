@@ -1,5 +1,7 @@
 """Forward and the three gradients against the float64 reference, over shapes, dtypes, layouts,
 normalize settings and strided inputs, on every available device."""
+import zlib
+
 import pytest
 import torch
 
@@ -74,7 +76,7 @@ def check_against_reference(q, k, v, *, scale, normalize, layout, eps=1e-6):
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
 def test_matches_reference(shape, layout, normalize, dtype, device):
-    gen = torch.Generator().manual_seed(hash((shape, layout, normalize, str(dtype))) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, normalize, dtype)).encode()))
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, layout=layout, normalize=normalize, generator=gen)
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)
 

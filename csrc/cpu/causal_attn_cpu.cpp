@@ -322,24 +322,11 @@ void launch_backward_cpu(const BackwardParams& p) {
                                   [&] { backward_cpu_kernel<scalar_t>(p); });
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                               double scale, bool normalize, double eps, c10::string_view layout) {
-  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, &launch_forward_cpu);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cpu(const at::Tensor& grad_out, const at::Tensor& q,
-                                                            const at::Tensor& k, const at::Tensor& v,
-                                                            const c10::optional<at::Tensor>& out,
-                                                            const c10::optional<at::Tensor>& den, double scale,
-                                                            bool normalize, c10::string_view layout) {
-  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, &launch_backward_cpu);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fast_causal_attn, CPU, m) {
-  m.impl("forward", &forward_cpu);
-  m.impl("backward", &backward_cpu);
+  m.impl("forward", &forward_op<&launch_forward_cpu>);
+  m.impl("backward", &backward_op<&launch_backward_cpu>);
 }
 
 }  // namespace fast_causal_attn

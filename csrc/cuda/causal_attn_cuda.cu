@@ -87,25 +87,12 @@ void launch_backward_cuda(const BackwardParams& params) {
   run_grad_v_pass(p, stream);
 }
 
-std::tuple<at::Tensor, at::Tensor> forward_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                double scale, bool normalize, double eps, c10::string_view layout) {
-  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, &launch_forward_cuda);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_cuda(const at::Tensor& grad_out, const at::Tensor& q,
-                                                             const at::Tensor& k, const at::Tensor& v,
-                                                             const c10::optional<at::Tensor>& out,
-                                                             const c10::optional<at::Tensor>& den, double scale,
-                                                             bool normalize, c10::string_view layout) {
-  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, &launch_backward_cuda);
-}
-
 }  // namespace
 }  // namespace cuda
 
 TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
-  m.impl("forward", &cuda::forward_cuda);
-  m.impl("backward", &cuda::backward_cuda);
+  m.impl("forward", &forward_op<&cuda::launch_forward_cuda>);
+  m.impl("backward", &backward_op<&cuda::launch_backward_cuda>);
 }
 
 }  // namespace fast_causal_attn

@@ -7,9 +7,11 @@
 //     state, split over GROUPS warps of ROWS rows each, all in registers;
 //   - time advances in tiles of kSteps timesteps: a, b, c of the tile are staged in shared memory
 //     (converted to the accumulation type, scaled and normalized as the pass asks), then each
-//     thread walks the tile step by step: S[r] += b[t][r] c[t][lane], part[t] += a[t][r] S[r];
-//   - the GROUPS partial sums of each output are added through shared memory and written once.
-// The passes differ only in what a, b and c are (see the Pass* structs below).
+//     thread walks the tile step by step: S[r] += b[t][r] c[t][lane], out[t] += a[t][r] S[r];
+//   - the GROUPS partial sums of each output are added through shared memory and written once;
+//   - the low-occupancy variant (few (batch, head) pairs) also splits time into segments, each
+//     started from the summed states of the segments before it.
+// The passes differ only in what a, b and c are (see Operands below).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -200,15 +202,15 @@ struct SmemLayout {
   static constexpr int kElements = kAB + kPartials + kC + kExtra + kDenPartials + kDen;
 };
 
+// Blocks per multiprocessor the register budget is set for: 128 registers a thread (64 spilled).
+template <int GROUPS>
+constexpr int kMinBlocks = 65536 / (GROUPS * kWarp * 128);
+
 // grid.x = (((batch * heads) * column tiles + column tile) * slabs + slab) * segments + segment;
 // block = GROUPS warps. Slab i holds rows [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da
 // rows, segment j timesteps [j * segment_len, (j + 1) * segment_len).
-// Blocks per multiprocessor the register budget is set for: 128 registers a thread.
-template <int ROWS, int GROUPS>
-constexpr int kMinBlocks = 65536 / (GROUPS * kWarp * 128);
-
 template <Pass P, typename scalar_t, int ROWS, int GROUPS>
-__global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<ROWS, GROUPS>)
+__global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     causal_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using acc_t = at::opmath_type<scalar_t>;
   using Traits = PassTraits<P>;
