@@ -31,6 +31,8 @@ SHAPES = {  # (B, H, L, E, M)
         (8, 16, 2048, 128, 128),
         (2, 4, 8192, 64, 64),
         (1, 16, 32768, 128, 128),
+        (4, 16, 2048, 256, 256),
+        (8, 16, 2048, 64, 128),
     ],
 }
 DTYPES = {"cpu": "float32", "cuda": "float32,bfloat16"}
@@ -89,6 +91,8 @@ def main():
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtypes", default=None, help="comma-separated, e.g. float32,bfloat16")
     parser.add_argument("--reps", type=int, default=None, help="timed repetitions on the CPU")
+    parser.add_argument("--shapes", default=None,
+                        help="semicolon-separated B,H,L,E,M shapes instead of the device's list, e.g. '2,4,8192,64,64'")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers even when present")
     args = parser.parse_args()
@@ -96,6 +100,11 @@ def main():
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtypes = [getattr(torch, d) for d in (args.dtypes or DTYPES[device]).split(",")]
     reps = args.reps or (10 if device == "cpu" else 50)
+    shapes = SHAPES[device]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in shape.split(",")) for shape in args.shapes.split(";")]
+        if any(len(shape) != 5 for shape in shapes):
+            parser.error(f"--shapes wants B,H,L,E,M groups, got {args.shapes!r}")
     bandwidth = copy_bandwidth(device)
     where = torch.cuda.get_device_name() if device == "cuda" else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
     print(f"fast_causal_attn benchmark on {device} ({where}), torch {torch.__version__}")
@@ -112,7 +121,7 @@ def main():
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
-        for shape in SHAPES[device]:
+        for shape in shapes:
             B, H, L, E, M = shape
             q, k, v, dout = make_case(*shape, dtype, device)
             item = q.element_size()
