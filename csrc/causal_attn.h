@@ -25,10 +25,12 @@ struct StridedTensor {
   }
 };
 
-// O[t] = sum_{s<=t} (q'[t] . k[s]) v[s], q' = scale * q, optionally divided by q'[t] . sum_{s<=t} k[s] + eps.
+// O[t] = q'[t] (S0 + sum_{s<=t} k[s] v[s]^T), q' = scale * q, optionally divided by
+// q'[t] . (z0 + sum_{s<=t} k[s]) + eps, where S0 (kv) and z0 (k_sum) are the initial state (zero
+// unless given). The final state S0 + sum k v^T, z0 + sum k is written when asked for.
 //
-// A state carried in and out and per-sequence offsets (cu_seqlens) slot in here later: the kernels
-// already run one (batch, head) sequence at a time from a running state that starts at zero.
+// Per-sequence offsets (cu_seqlens) slot in here later: the kernels already run one (batch, head)
+// sequence at a time from a running state.
 struct ForwardParams {
   c10::ScalarType dtype;   // of q, k, v and o; accumulation is float (double for double inputs)
   int64_t B = 0, H = 0, L = 0;
@@ -46,6 +48,12 @@ struct ForwardParams {
   // [B, H, L] contiguous, accumulation dtype; written when normalize: the denominator
   // q'[t] . sum_{s<=t} k[s] + eps, kept for the backward.
   void* den = nullptr;
+
+  // The state, contiguous, accumulation dtype; each may be nullptr (no initial state: zero).
+  const void* initial_kv = nullptr;     // [B, H, E, M]
+  const void* initial_k_sum = nullptr;  // [B, H, E]
+  void* final_kv = nullptr;             // [B, H, E, M], written
+  void* final_k_sum = nullptr;          // [B, H, E], written
 };
 
 // Gradients of the forward above. With g[t] = dO[t] / den[t] and c[t] = -(g[t] . O[t]) (normalize;
@@ -54,12 +62,23 @@ struct ForwardParams {
 //   dq'[t] = sum_{s<=t} ([g, c][t] . [v, 1][s]) k[s]      forward in time
 //   dk[s]  = sum_{t>=s} ([v, 1][s] . [g, c][t]) q'[t]     reverse in time
 //   dv[s]  = sum_{t>=s} (k[s] . q'[t]) g[t]               reverse in time
+//
+// The state enters the same products as their starting points: the dq product starts from
+// [S0^T; z0^T], the dk product from [dS_final^T; dz_final^T] and ends at dz0 in its last row, the
+// dv product starts from dS_final and ends at dS0.
 struct BackwardParams : ForwardParams {
   StridedTensor dout;      // [B, H, L, M]
   StridedTensor dq;        // [B, H, L, E], written
   StridedTensor dk;        // [B, H, L, E], written
   StridedTensor dv;        // [B, H, L, M], written
-  // o (inherited) is read, not written, in the backward: only when normalize.
+  // o (inherited) is read, not written, in the backward: only when normalize. initial_kv and
+  // initial_k_sum (inherited) are read; final_kv and final_k_sum are unused.
+
+  // Contiguous, accumulation dtype, each may be nullptr.
+  const void* grad_final_kv = nullptr;     // [B, H, E, M]
+  const void* grad_final_k_sum = nullptr;  // [B, H, E]
+  void* grad_initial_kv = nullptr;         // [B, H, E, M], written
+  void* grad_initial_k_sum = nullptr;      // [B, H, E], written
 };
 
 }  // namespace fast_causal_attn

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
@@ -114,24 +115,73 @@ void fill_problem(ForwardParams& p, const at::Tensor& qb, const at::Tensor& vb, 
   p.eps = eps;
 }
 
+// A [B, H, E, M] or [B, H, E] state tensor: shape, dtype and device, made contiguous.
+at::Tensor checked_state(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& q) {
+  const auto dtype = accumulation_dtype(q.scalar_type());
+  TORCH_CHECK(t.sizes() == shape, "fast_causal_attn: ", name, " must have shape ", shape,
+              shape.size() == 4 ? " ([B, H, E, M])" : " ([B, H, E])", ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, "fast_causal_attn: ", name, " must be ", dtype, " (the state dtype for ",
+              q.scalar_type(), " inputs), got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "fast_causal_attn: ", name, " must be on the same device as q (", q.device(),
+              "), got ", t.device());
+  return t.contiguous();
+}
+
+// A tensor of `shape` when wanted, else an empty one: the op always returns every output.
+at::Tensor empty_if(bool wanted, at::IntArrayRef shape, const at::TensorOptions& options) {
+  return wanted ? at::empty(shape, options) : at::empty({0}, options);
+}
+
+struct StateShapes {
+  std::vector<int64_t> kv, k_sum;
+};
+
+StateShapes state_shapes(const at::Tensor& q_bhld, const at::Tensor& v_bhld) {
+  const int64_t B = q_bhld.size(0), H = q_bhld.size(1), E = q_bhld.size(3), M = v_bhld.size(3);
+  return {{B, H, E, M}, {B, H, E}};
+}
+
+// kv and k_sum of a state come together or not at all.
+void check_state_pair(const c10::optional<at::Tensor>& kv, const c10::optional<at::Tensor>& k_sum,
+                      const char* what) {
+  TORCH_CHECK(kv.has_value() == k_sum.has_value(), "fast_causal_attn: ", what,
+              " needs both kv and k_sum, got only ", kv.has_value() ? "kv" : "k_sum");
+}
+
+void check_state_backend(const at::Tensor& q, bool uses_state) {
+  TORCH_CHECK(!uses_state || q.device().is_cpu(),
+              "fast_causal_attn: initial_state and return_final_state are not supported on ", q.device().type(),
+              " yet; they run on the CPU");
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> causal_attn_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool normalize,
-    double eps, c10::string_view layout_name, ForwardLauncher launch) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
+    const c10::optional<at::Tensor>& initial_k_sum, double scale, bool normalize, double eps,
+    c10::string_view layout_name, bool return_final_state, ForwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, eps);
   check_inputs(q, k, v, layout);
+  check_state_pair(initial_kv, initial_k_sum, "initial_state");
+  check_state_backend(q, initial_kv.has_value() || return_final_state);
   c10::DeviceGuard guard(q.device());
 
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
+  const StateShapes shapes = state_shapes(qb, vb);
+  at::Tensor kv0, k_sum0;
+  if (initial_kv.has_value()) {
+    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q);
+    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q);
+  }
+  const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor ob = empty_bhld(vb, vb.size(3), layout);
-  const at::Tensor den = normalize ? at::empty({qb.size(0), qb.size(1), qb.size(2)},
-                                               q.options().dtype(accumulation_dtype(q.scalar_type())))
-                                   : at::empty({0}, q.options().dtype(accumulation_dtype(q.scalar_type())));
-  if (ob.numel() > 0) {
+  const at::Tensor den = empty_if(normalize, qb.sizes().slice(0, 3), acc);
+  const at::Tensor kv1 = empty_if(return_final_state, shapes.kv, acc);
+  const at::Tensor k_sum1 = empty_if(return_final_state, shapes.k_sum, acc);
+  if (ob.numel() > 0 || kv1.numel() > 0) {
     ForwardParams p;
     fill_problem(p, qb, vb, scale, normalize, eps);
     p.q = strided(qb);
@@ -139,14 +189,24 @@ std::tuple<at::Tensor, at::Tensor> causal_attn_forward(
     p.v = strided(vb);
     p.o = strided(ob);
     p.den = normalize ? den.data_ptr() : nullptr;
+    if (kv0.defined()) {
+      p.initial_kv = kv0.data_ptr();
+      p.initial_k_sum = k_sum0.data_ptr();
+    }
+    if (return_final_state) {
+      p.final_kv = kv1.data_ptr();
+      p.final_k_sum = k_sum1.data_ptr();
+    }
     launch(p);
   }
-  return {as_bhld(ob, layout), den};
+  return {as_bhld(ob, layout), den, kv1, k_sum1};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den, double scale,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final_kv,
+    const c10::optional<at::Tensor>& grad_final_k_sum, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den,
+    const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum, double scale,
     bool normalize, c10::string_view layout_name, BackwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, 1.0);
@@ -154,6 +214,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
   TORCH_CHECK(grad_out.sizes() == v.sizes(), "fast_causal_attn: grad_out must have the shape of the output ",
               v.sizes(), ", got ", grad_out.sizes());
   check_dtype_and_device(grad_out, "grad_out", q);
+  check_state_pair(initial_kv, initial_k_sum, "initial_state");
+  check_state_pair(grad_final_kv, grad_final_k_sum, "the gradient of the final state");
+  check_state_backend(q, initial_kv.has_value() || grad_final_kv.has_value());
   if (normalize) {
     TORCH_CHECK(out.has_value() && den.has_value(),
                 "fast_causal_attn: the backward with normalize=True needs the forward's out and den");
@@ -161,10 +224,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
                 out->sizes());
     check_dtype_and_device(*out, "out", q);
     const at::Tensor qb = as_bhld(q, layout);
-    TORCH_CHECK(den->dim() == 3 && den->size(0) == qb.size(0) && den->size(1) == qb.size(1) &&
-                    den->size(2) == qb.size(2),
-                "fast_causal_attn: den must have shape [B, H, L] = ", qb.sizes().slice(0, 3), ", got ",
-                den->sizes());
+    TORCH_CHECK(den->dim() == 3 && den->sizes() == qb.sizes().slice(0, 3), "fast_causal_attn: den must have shape ",
+                "[B, H, L] = ", qb.sizes().slice(0, 3), ", got ", den->sizes());
     TORCH_CHECK(den->scalar_type() == accumulation_dtype(q.scalar_type()) && den->device() == q.device(),
                 "fast_causal_attn: den must be ", accumulation_dtype(q.scalar_type()), " on ", q.device(),
                 ", got ", den->scalar_type(), " on ", den->device());
@@ -174,10 +235,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
+  const StateShapes shapes = state_shapes(qb, vb);
+  at::Tensor kv0, k_sum0, dkv1, dk_sum1;
+  if (initial_kv.has_value()) {
+    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q);
+    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q);
+  }
+  if (grad_final_kv.has_value()) {
+    dkv1 = checked_state(*grad_final_kv, "grad_final_kv", shapes.kv, q);
+    dk_sum1 = checked_state(*grad_final_k_sum, "grad_final_k_sum", shapes.k_sum, q);
+  }
+  const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor dqb = empty_bhld(qb, qb.size(3), layout);
   const at::Tensor dkb = empty_bhld(kb, kb.size(3), layout);
   const at::Tensor dvb = empty_bhld(vb, vb.size(3), layout);
-  if (dqb.numel() > 0) {
+  const bool initial = kv0.defined();
+  const at::Tensor dkv0 = empty_if(initial, shapes.kv, acc);
+  const at::Tensor dk_sum0 = empty_if(initial, shapes.k_sum, acc);
+  if (dqb.numel() > 0 || dkv0.numel() > 0) {
     const at::Tensor dob = with_contiguous_rows(as_bhld(grad_out, layout));
     at::Tensor ob, denc;
     BackwardParams p;
@@ -195,16 +270,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
       p.o = strided(ob);
       p.den = denc.data_ptr();
     }
+    if (initial) {
+      p.initial_kv = kv0.data_ptr();
+      p.initial_k_sum = k_sum0.data_ptr();
+      p.grad_initial_kv = dkv0.data_ptr();
+      p.grad_initial_k_sum = dk_sum0.data_ptr();
+    }
+    if (dkv1.defined()) {
+      p.grad_final_kv = dkv1.data_ptr();
+      p.grad_final_k_sum = dk_sum1.data_ptr();
+    }
     launch(p);
   }
-  return {as_bhld(dqb, layout), as_bhld(dkb, layout), as_bhld(dvb, layout)};
+  return {as_bhld(dqb, layout), as_bhld(dkb, layout), as_bhld(dvb, layout), dkv0, dk_sum0};
 }
 
 TORCH_LIBRARY(fast_causal_attn, m) {
-  m.def("forward(Tensor q, Tensor k, Tensor v, float scale, bool normalize, float eps, str layout)"
-        " -> (Tensor, Tensor)");
-  m.def("backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? out, Tensor? den, float scale,"
-        " bool normalize, str layout) -> (Tensor, Tensor, Tensor)");
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, float scale,"
+        " bool normalize, float eps, str layout, bool return_final_state)"
+        " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum)");
+  m.def("backward(Tensor grad_out, Tensor? grad_final_kv, Tensor? grad_final_k_sum, Tensor q, Tensor k, Tensor v,"
+        " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, float scale, bool normalize,"
+        " str layout) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
+        " Tensor grad_initial_k_sum)");
 }
 
 #ifndef FAST_CAUSAL_ATTN_WITH_CUDA

@@ -15,34 +15,44 @@ namespace fast_causal_attn {
 using ForwardLauncher = void (*)(const ForwardParams&);
 using BackwardLauncher = void (*)(const BackwardParams&);
 
-// Returns (out, den): out in q's layout and dtype; den [B, H, L] in the accumulation dtype when
-// normalize, else an empty tensor.
-std::tuple<at::Tensor, at::Tensor> causal_attn_forward(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool normalize,
-    double eps, c10::string_view layout, ForwardLauncher launch);
+// Returns (out, den, final_kv, final_k_sum): out in q's layout and dtype; den [B, H, L] in the
+// accumulation dtype when normalize; the final state [B, H, E, M] and [B, H, E] in the
+// accumulation dtype when return_final_state. What is not asked for comes back empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
+    const c10::optional<at::Tensor>& initial_k_sum, double scale, bool normalize, double eps,
+    c10::string_view layout, bool return_final_state, ForwardLauncher launch);
 
-// Returns (grad_q, grad_k, grad_v), each in its input's layout and dtype. out and den are the
-// forward's results and are needed only when normalize.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den, double scale,
+// Returns (grad_q, grad_k, grad_v, grad_initial_kv, grad_initial_k_sum), the first three in their
+// input's layout and dtype, the last two empty without an initial state. out and den are the
+// forward's results, needed only when normalize; grad_final_* may be absent (zero).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final_kv,
+    const c10::optional<at::Tensor>& grad_final_k_sum, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den,
+    const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum, double scale,
     bool normalize, c10::string_view layout, BackwardLauncher launch);
 
 // A backend's op implementations are these two, instantiated with its launchers:
 //   m.impl("forward", &forward_op<&launch_forward_cpu>);
 template <ForwardLauncher launch>
-std::tuple<at::Tensor, at::Tensor> forward_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                              double scale, bool normalize, double eps, c10::string_view layout) {
-  return causal_attn_forward(q, k, v, scale, normalize, eps, layout, launch);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> forward_op(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
+    const c10::optional<at::Tensor>& initial_k_sum, double scale, bool normalize, double eps,
+    c10::string_view layout, bool return_final_state) {
+  return causal_attn_forward(q, k, v, initial_kv, initial_k_sum, scale, normalize, eps, layout, return_final_state,
+                             launch);
 }
 
 template <BackwardLauncher launch>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_op(const at::Tensor& grad_out, const at::Tensor& q,
-                                                           const at::Tensor& k, const at::Tensor& v,
-                                                           const c10::optional<at::Tensor>& out,
-                                                           const c10::optional<at::Tensor>& den, double scale,
-                                                           bool normalize, c10::string_view layout) {
-  return causal_attn_backward(grad_out, q, k, v, out, den, scale, normalize, layout, launch);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_op(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final_kv,
+    const c10::optional<at::Tensor>& grad_final_k_sum, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den,
+    const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum, double scale,
+    bool normalize, c10::string_view layout) {
+  return causal_attn_backward(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv,
+                              initial_k_sum, scale, normalize, layout, launch);
 }
 
 }  // namespace fast_causal_attn

@@ -5,9 +5,9 @@ For each batch and head, with q' = scale * q:
     unnormalized:  O[t] = sum_{s<=t} (q'[t] . k[s]) v[s]
     normalized:    O[t] = sum_{s<=t} (q'[t] . k[s]) v[s] / (q'[t] . sum_{s<=t} k[s] + eps)
 """
-from ._ops import CausalDotProduct
+from ._ops import CausalDotProduct, State
 
-__all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct"]
+__all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct", "State"]
 __version__ = "0.1.0"
 
 
@@ -20,7 +20,8 @@ def causal_dot_product(q, k, v):
     return CausalDotProduct.apply(q, k, v)
 
 
-def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld"):
+def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_state=None,
+                            return_final_state=False):
     """Causal linear attention, optionally normalized, in either layout.
 
     Args:
@@ -32,9 +33,22 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
         eps: added to the normalizer; must be finite and > 0.
         layout: ``"bhld"`` or ``"blhd"`` (flash-attn's and fla's). Inputs are read through their
             strides; only an input whose last dimension is not contiguous is copied.
+        initial_state: a ``State(kv, k_sum)`` (kv [B, H, E, M], k_sum [B, H, E], float32 or float64
+            for float64 inputs) to start from, e.g. the final state of the previous piece of the
+            sequence; None starts from zero. CPU only for now.
+        return_final_state: also return the state after the last timestep. CPU only for now.
 
     Returns:
-        The output, in the inputs' layout and dtype: [B, H, L, M] or [B, L, H, M]. float16 and
-        bfloat16 inputs accumulate in float32, float64 in float64. Differentiable in q, k and v.
+        The output, in the inputs' layout and dtype: [B, H, L, M] or [B, L, H, M]; with
+        return_final_state, ``(out, State(kv, k_sum))``. float16 and bfloat16 inputs accumulate in
+        float32, float64 in float64. Differentiable in q, k, v and the initial state; processing a
+        sequence in pieces, each from the previous piece's final state, gives what processing it
+        whole gives.
     """
-    return CausalDotProduct.apply(q, k, v, float(scale), bool(normalize), float(eps), layout)
+    kv, k_sum = (None, None) if initial_state is None else initial_state
+    result = CausalDotProduct.apply(q, k, v, float(scale), bool(normalize), float(eps), layout, kv, k_sum,
+                                    bool(return_final_state))
+    if return_final_state:
+        out, final_kv, final_k_sum = result
+        return out, State(final_kv, final_k_sum)
+    return result

@@ -1,10 +1,18 @@
 """The registered torch ops, their fake (meta) implementations and the autograd Function."""
+import collections
+
 import torch
 
 from . import _C  # noqa: F401  (loads the library; its static initializers register the ops)
 
 _forward = torch.ops.fast_causal_attn.forward.default
 _backward = torch.ops.fast_causal_attn.backward.default
+
+State = collections.namedtuple("State", ["kv", "k_sum"])
+State.__doc__ = """The running state of causal linear attention, per batch and head.
+
+kv: [B, H, E, M], the sum of k v^T so far; k_sum: [B, H, E], the sum of k so far (the normalizer's
+state). float32, or float64 for float64 inputs."""
 
 
 def _accumulation_dtype(dtype):
@@ -25,45 +33,59 @@ def _check_same_device(q, **others):
         )
 
 
+def _state_shapes(q, v, layout):
+    B, H, _ = _bhl(q, layout)
+    return (B, H, q.shape[-1], v.shape[-1]), (B, H, q.shape[-1])
+
+
 @torch.library.register_fake("fast_causal_attn::forward")
-def _forward_fake(q, k, v, scale, normalize, eps, layout):
-    _check_same_device(q, k=k, v=v)
+def _forward_fake(q, k, v, initial_kv, initial_k_sum, scale, normalize, eps, layout, return_final_state):
+    _check_same_device(q, k=k, v=v, initial_kv=initial_kv, initial_k_sum=initial_k_sum)
+    acc = _accumulation_dtype(q.dtype)
     # The output has v's shape in either layout, contiguous in that layout.
     out = v.new_empty(v.shape)
-    den_shape = _bhl(q, layout) if normalize else (0,)
-    den = q.new_empty(den_shape, dtype=_accumulation_dtype(q.dtype))
-    return out, den
+    den = q.new_empty(_bhl(q, layout) if normalize else (0,), dtype=acc)
+    kv_shape, k_sum_shape = _state_shapes(q, v, layout) if return_final_state else ((0,), (0,))
+    return out, den, q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc)
 
 
 @torch.library.register_fake("fast_causal_attn::backward")
-def _backward_fake(grad_out, q, k, v, out, den, scale, normalize, layout):
-    _check_same_device(q, k=k, v=v, grad_out=grad_out, out=out, den=den)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _backward_fake(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, scale,
+                   normalize, layout):
+    _check_same_device(q, k=k, v=v, grad_out=grad_out, out=out, den=den, initial_kv=initial_kv,
+                       initial_k_sum=initial_k_sum, grad_final_kv=grad_final_kv, grad_final_k_sum=grad_final_k_sum)
+    acc = _accumulation_dtype(q.dtype)
+    kv_shape, k_sum_shape = _state_shapes(q, v, layout) if initial_kv is not None else ((0,), (0,))
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
+            q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc))
 
 
 class CausalDotProduct(torch.autograd.Function):
     """Differentiable causal linear attention over the registered ops.
 
     ``CausalDotProduct.apply(q, k, v)`` is a drop-in for fast-transformers' class of the same name
-    (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of the op.
+    (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of the op. With
+    return_final_state it returns (out, final_kv, final_k_sum), else out.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld"):
-        out, den = _forward(q, k, v, scale, normalize, eps, layout)
-        if normalize:
-            ctx.save_for_backward(q, k, v, out, den)
-        else:
-            ctx.save_for_backward(q, k, v)
+    def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
+                initial_k_sum=None, return_final_state=False):
+        out, den, final_kv, final_k_sum = _forward(q, k, v, initial_kv, initial_k_sum, scale, normalize, eps, layout,
+                                                   return_final_state)
+        ctx.save_for_backward(q, k, v, out if normalize else None, den if normalize else None, initial_kv,
+                              initial_k_sum)
         ctx.scale, ctx.normalize, ctx.layout = scale, normalize, layout
-        return out
+        ctx.return_final_state = return_final_state
+        return (out, final_kv, final_k_sum) if return_final_state else out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        if ctx.normalize:
-            q, k, v, out, den = ctx.saved_tensors
-        else:
-            (q, k, v), out, den = ctx.saved_tensors, None, None
-        grad_q, grad_k, grad_v = _backward(grad_out, q, k, v, out, den, ctx.scale, ctx.normalize, ctx.layout)
-        return grad_q, grad_k, grad_v, None, None, None, None
+    def backward(ctx, grad_out, grad_final_kv=None, grad_final_k_sum=None):
+        q, k, v, out, den, initial_kv, initial_k_sum = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_kv, grad_k_sum = _backward(
+            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, ctx.scale,
+            ctx.normalize, ctx.layout)
+        if initial_kv is None:
+            grad_kv = grad_k_sum = None
+        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None

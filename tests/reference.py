@@ -8,15 +8,31 @@ import torch
 
 def reference(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", dtype=torch.float64):
     """causal_linear_attention computed as mask(q' k^T) v in `dtype`, returned in `dtype`."""
+    return reference_with_state(q, k, v, scale=scale, normalize=normalize, eps=eps, layout=layout, dtype=dtype)[0]
+
+
+def reference_with_state(q, k, v, initial_state=None, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld",
+                         dtype=torch.float64):
+    """(out, final kv, final k_sum) from an initial (kv [B, H, E, M], k_sum [B, H, E]) or zero state:
+    out = q' (kv0 + mask(k v^T)) as mask(q' k^T) v + q' kv0, normalized by
+    q' . (k_sum0 + cumsum k) + eps."""
     if layout == "blhd":
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    scores = (scale * q) @ k.transpose(-1, -2)
-    scores = scores.tril()
+    q = scale * q
+    scores = (q @ k.transpose(-1, -2)).tril()
     out = scores @ v
+    den = scores.sum(-1, keepdim=True) + eps
+    kv = k.transpose(-1, -2) @ v
+    k_sum = k.sum(-2)
+    if initial_state is not None:
+        kv0, k_sum0 = (x.to(dtype) for x in initial_state)
+        out = out + q @ kv0
+        den = den + (q @ k_sum0.unsqueeze(-1))
+        kv, k_sum = kv + kv0, k_sum + k_sum0
     if normalize:
-        out = out / (scores.sum(-1, keepdim=True) + eps)
-    return out.transpose(1, 2) if layout == "blhd" else out
+        out = out / den
+    return (out.transpose(1, 2) if layout == "blhd" else out), kv, k_sum
 
 
 def reference_with_grads(q, k, v, grad_out, *, dtype=torch.float64, **kwargs):

@@ -16,23 +16,41 @@ def op_inputs(device, layout, normalize, dtype=torch.float32):
 # The ops carry no autograd kernel of their own: gradients come from the autograd.Function that
 # the public API goes through (tested by gradcheck), so opcheck runs them on inputs that do not
 # require grad and its autograd-registration check has nothing to flag.
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_opcheck_forward(layout, normalize, device):
-    q, k, v = op_inputs(device, layout, normalize)
-    torch.library.opcheck(ops.forward.default, (q, k, v, 0.5, normalize, 1e-6, layout))
+def state_inputs(q, v, layout, with_state):
+    """An initial state (or Nones) for op_inputs' q and v."""
+    if not with_state:
+        return None, None
+    B, H = q.shape[0], (q.shape[2] if layout == "blhd" else q.shape[1])
+    return torch.randn(B, H, q.shape[-1], v.shape[-1], device=q.device), torch.rand(B, H, q.shape[-1], device=q.device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_opcheck_backward(layout, normalize, device):
+def test_opcheck_forward(layout, normalize, with_state, device):
+    if with_state and device != "cpu":
+        pytest.skip("initial and final states run on the CPU only for now")
     q, k, v = op_inputs(device, layout, normalize)
-    out, den = ops.forward(q, k, v, 0.5, normalize, 1e-6, layout)
+    kv0, k_sum0 = state_inputs(q, v, layout, with_state)
+    torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, 0.5, normalize, 1e-6, layout, with_state))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_opcheck_backward(layout, normalize, with_state, device):
+    if with_state and device != "cpu":
+        pytest.skip("initial and final states run on the CPU only for now")
+    q, k, v = op_inputs(device, layout, normalize)
+    kv0, k_sum0 = state_inputs(q, v, layout, with_state)
+    out, den, kv1, k_sum1 = ops.forward(q, k, v, kv0, k_sum0, 0.5, normalize, 1e-6, layout, with_state)
     grad_out = torch.randn_like(out)
+    grad_final = (torch.randn_like(kv1), torch.randn_like(k_sum1)) if with_state else (None, None)
     saved = (out, den) if normalize else (None, None)
-    torch.library.opcheck(ops.backward.default, (grad_out, q, k, v, *saved, 0.5, normalize, layout))
+    torch.library.opcheck(ops.backward.default,
+                          (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, 0.5, normalize, layout))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -107,6 +107,9 @@ class ChunkedCausalProduct {
   acc_t* b_row(int64_t r) { return b_.data() + r * da_; }
   acc_t* c_row(int64_t r) { return c_.data() + r * dc_; }
   const acc_t* out_row(int64_t r) const { return out_.data() + r * dc_; }
+  // Row r of the running state (Da x Dc): set it before run() to start from a given state, read it
+  // after run() for the final one.
+  acc_t* state_row(int64_t r) { return state_.data() + r * dc_; }
 
   // Walks L timesteps chunk by chunk (from the end when REVERSE): pack(t0, n) fills rows
   // [0, n) of a, b, c with timesteps [t0, t0 + n); unpack(t0, n) reads the same rows of out.
@@ -190,8 +193,19 @@ void forward_cpu_kernel(const ForwardParams& p) {
       const Rows<const scalar_t> q(p.q, b, h), k(p.k, b, h), v(p.v, b, h);
       const Rows<scalar_t> o(p.o, b, h);
       acc_t* den = p.normalize ? static_cast<acc_t*>(p.den) + pair * p.L : nullptr;
-      // With normalize, c carries a column of ones: its output is the denominator's q' . sum k.
-      ChunkedCausalProduct<acc_t> prod(p.E, mw + p.normalize);
+      // With normalize (or a final state to return), c carries a column of ones: its output is the
+      // denominator's q' . sum k, its state the sum of k.
+      const bool ones = p.normalize || p.final_k_sum != nullptr;
+      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones);
+      const int64_t kv_offset = pair * p.E * p.M, k_sum_offset = pair * p.E;
+      if (p.initial_kv != nullptr) {
+        const acc_t* kv0 = static_cast<const acc_t*>(p.initial_kv) + kv_offset;
+        const acc_t* k_sum0 = static_cast<const acc_t*>(p.initial_k_sum) + k_sum_offset;
+        for (int64_t e = 0; e < p.E; ++e) {
+          std::copy(kv0 + e * p.M + m0, kv0 + e * p.M + m0 + mw, prod.state_row(e));
+          if (ones) prod.state_row(e)[mw] = k_sum0[e];
+        }
+      }
       prod.template run<false>(
           p.L,
           [&](int64_t t0, int64_t n) {
@@ -199,7 +213,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
               load_row(q[t0 + r], p.E, scale, prod.a_row(r));
               load_row(k[t0 + r], p.E, acc_t(1), prod.b_row(r));
               load_row(v[t0 + r] + m0, mw, acc_t(1), prod.c_row(r));
-              if (p.normalize) prod.c_row(r)[mw] = acc_t(1);
+              if (ones) prod.c_row(r)[mw] = acc_t(1);
             }
           },
           [&](int64_t t0, int64_t n) {
@@ -215,6 +229,14 @@ void forward_cpu_kernel(const ForwardParams& p) {
               }
             }
           });
+      if (p.final_kv != nullptr) {
+        acc_t* kv1 = static_cast<acc_t*>(p.final_kv) + kv_offset;
+        acc_t* k_sum1 = static_cast<acc_t*>(p.final_k_sum) + k_sum_offset;
+        for (int64_t e = 0; e < p.E; ++e) {
+          std::copy(prod.state_row(e), prod.state_row(e) + mw, kv1 + e * p.M + m0);
+          if (m0 == 0) k_sum1[e] = prod.state_row(e)[mw];
+        }
+      }
     }
   });
 }
@@ -259,9 +281,26 @@ void backward_cpu_kernel(const BackwardParams& p) {
         load_row(v[t], M, acc_t(1), dst);
         if (p.normalize) dst[M] = acc_t(1);
       };
+      // The state of this (batch, head): kv [E, M] and k_sum [E] at an offset.
+      const int64_t kv_offset = pair * p.E * p.M, k_sum_offset = pair * p.E;
+      auto state_ptr = [&](const void* base, int64_t offset) {
+        return base == nullptr ? nullptr : static_cast<const acc_t*>(base) + offset;
+      };
+      const acc_t* kv0 = state_ptr(p.initial_kv, kv_offset);
+      const acc_t* k_sum0 = state_ptr(p.initial_k_sum, k_sum_offset);
+      const acc_t* dkv1 = state_ptr(p.grad_final_kv, kv_offset);
+      const acc_t* dk_sum1 = state_ptr(p.grad_final_k_sum, k_sum_offset);
+      // Rows [m][j] = kv[c0 + j][m] of a [Mg, cw] state from a kv-shaped [E, M] state (and a k_sum).
+      auto set_transposed = [&](ChunkedCausalProduct<acc_t>& prod, const acc_t* kv, const acc_t* k_sum) {
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t j = 0; j < cw; ++j) prod.state_row(m)[j] = kv[(c0 + j) * M + m];
+        if (p.normalize)
+          for (int64_t j = 0; j < cw; ++j) prod.state_row(M)[j] = k_sum[c0 + j];
+      };
 
-      if (kind == 0) {  // dq = scale * sum_{s<=t} ([g, c][t] . [v, 1][s]) k[s]
+      if (kind == 0) {  // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
         ChunkedCausalProduct<acc_t> prod(Mg, cw);
+        if (kv0 != nullptr) set_transposed(prod, kv0, k_sum0);
         const Rows<scalar_t> dq(p.dq, b, h);
         prod.template run<false>(
             p.L,
@@ -275,8 +314,11 @@ void backward_cpu_kernel(const BackwardParams& p) {
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, scale, dq[t0 + r] + c0);
             });
-      } else if (kind == 1) {  // dk = sum_{t>=s} ([v, 1][s] . [g, c][t]) q'[t]
+      } else if (kind == 1) {  // dk = [v, 1][s] . ([dS1^T; dz1^T] + sum_{t>=s} [g, c][t] q'[t]^T)
         ChunkedCausalProduct<acc_t> prod(Mg, cw);
+        if (dkv1 != nullptr) set_transposed(prod, dkv1, dk_sum1);
+        // Without normalize there is no row of ones to carry dz1 into dk: it adds to every row.
+        const acc_t* dk_add = (!p.normalize && dk_sum1 != nullptr) ? dk_sum1 + c0 : nullptr;
         const Rows<scalar_t> dk(p.dk, b, h);
         prod.template run<true>(
             p.L,
@@ -288,10 +330,23 @@ void backward_cpu_kernel(const BackwardParams& p) {
               }
             },
             [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dk[t0 + r] + c0);
+              for (int64_t r = 0; r < n; ++r) {
+                const acc_t* out = prod.out_row(r);
+                scalar_t* dst = dk[t0 + r] + c0;
+                for (int64_t j = 0; j < cw; ++j) dst[j] = static_cast<scalar_t>(dk_add ? out[j] + dk_add[j] : out[j]);
+              }
             });
-      } else {  // dv = sum_{t>=s} (k[s] . q'[t]) g[t]
+        if (p.grad_initial_k_sum != nullptr) {  // dz0 = dz1 + sum_t c[t] q'[t]: the row of ones' state
+          acc_t* dk_sum0 = static_cast<acc_t*>(p.grad_initial_k_sum) + k_sum_offset + c0;
+          for (int64_t j = 0; j < cw; ++j) {
+            dk_sum0[j] = p.normalize ? prod.state_row(M)[j] : (dk_sum1 != nullptr ? dk_sum1[c0 + j] : acc_t(0));
+          }
+        }
+      } else {  // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
         ChunkedCausalProduct<acc_t> prod(p.E, cw);
+        if (dkv1 != nullptr) {
+          for (int64_t e = 0; e < p.E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
+        }
         const Rows<scalar_t> dv(p.dv, b, h);
         std::vector<acc_t> grad_row(Mg);
         prod.template run<true>(
@@ -307,6 +362,10 @@ void backward_cpu_kernel(const BackwardParams& p) {
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dv[t0 + r] + c0);
             });
+        if (p.grad_initial_kv != nullptr) {  // dS0 = dS1 + sum_t q'[t] g[t]^T: the final state
+          acc_t* dkv0 = static_cast<acc_t*>(p.grad_initial_kv) + kv_offset;
+          for (int64_t e = 0; e < p.E; ++e) std::copy(prod.state_row(e), prod.state_row(e) + cw, dkv0 + e * M + c0);
+        }
       }
     }
   });

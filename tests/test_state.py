@@ -1,0 +1,166 @@
+"""Initial and final state: against the float64 reference, and a sequence processed in pieces
+(each from the previous piece's final state) against the same sequence processed whole, outputs
+and gradients (into q, k, v and the initial state) alike."""
+import pytest
+import torch
+
+import fast_causal_attn
+from conftest import CUDA
+from reference import make_inputs, reference_with_state, relative_error
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Error floors for these well-conditioned cases (positive q, k under normalize).
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def random_state(B, H, E, M, dtype, normalize):
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    kv = torch.randn(B, H, E, M, dtype=acc)
+    k_sum = torch.rand(B, H, E, dtype=acc) * 3  # a sum of non-negative keys, as normalize expects
+    return fast_causal_attn.State(kv, k_sum if normalize else k_sum - 1.5)
+
+
+def time_slice(x, layout, start, stop):
+    return x[:, start:stop] if layout == "blhd" else x[:, :, start:stop]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_state_matches_reference(layout, normalize, dtype):
+    B, H, L, E, M = 2, 3, 100, 17, 24
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
+    state0 = random_state(B, H, E, M, dtype, normalize)
+    out, state1 = fast_causal_attn.causal_linear_attention(
+        q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
+    assert state1.kv.dtype == state0.kv.dtype and state1.kv.shape == (B, H, E, M) and state1.k_sum.shape == (B, H, E)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.7, normalize=normalize, layout=layout)
+    assert relative_error(out, ref_out) <= TOLERANCE[dtype]
+    # The state accumulates in float32 from 16-bit inputs read exactly: float32-level error.
+    state_tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(state1.kv, ref_kv) <= state_tolerance
+    assert relative_error(state1.k_sum, ref_k_sum) <= state_tolerance
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_pieces_equal_whole(layout, normalize, dtype):
+    B, H, L, E, M = 2, 2, 150, 8, 12
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
+    state0 = random_state(B, H, E, M, dtype, normalize)
+    splits = sorted(torch.randperm(L - 1)[:3].add(1).tolist())
+    w_out = torch.randn(v.shape, dtype=torch.float64)
+    w_kv, w_k_sum = torch.randn(B, H, E, M, dtype=torch.float64), torch.randn(B, H, E, dtype=torch.float64)
+    kw = dict(scale=0.9, normalize=normalize, layout=layout)
+
+    def run(pieces):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, *state0)]
+        q_, k_, v_, kv0, k_sum0 = leaves
+        state, outs = fast_causal_attn.State(kv0, k_sum0), []
+        for start, stop in zip(pieces[:-1], pieces[1:]):
+            out, state = fast_causal_attn.causal_linear_attention(
+                *(time_slice(x, layout, start, stop) for x in (q_, k_, v_)), initial_state=state,
+                return_final_state=True, **kw)
+            outs.append(out)
+        out = torch.cat(outs, dim=1 if layout == "blhd" else 2)
+        loss = (out.double() * w_out).sum() + (state.kv.double() * w_kv).sum() + (state.k_sum.double() * w_k_sum).sum()
+        loss.backward()
+        return [out, state.kv, state.k_sum] + [x.grad for x in leaves]
+
+    whole, pieces = run([0, L]), run([0, *splits, L])
+    names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
+    # Outputs in 16-bit round once either way; everything else is accumulated in float32 or better.
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    for name, a, b in zip(names, whole, pieces):
+        tol = TOLERANCE[dtype] if (dtype in (torch.float16, torch.bfloat16) and a.dtype == dtype) else tolerance
+        assert relative_error(b, a) <= tol, f"{name}: pieces {splits} differ from the whole sequence"
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_gradcheck_with_state(layout, normalize):
+    B, H, L, E, M = 1, 2, 40, 3, 4
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device="cpu", layout=layout, normalize=normalize)
+    if normalize:
+        q, k = q + 0.1, k + 0.1
+    kv0, k_sum0 = random_state(B, H, E, M, torch.float64, normalize)
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
+
+    def f(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(
+            q, k, v, scale=0.8, normalize=normalize, layout=layout, initial_state=(kv0, k_sum0),
+            return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_empty_sequence_passes_state_through(normalize):
+    q, k, v = make_inputs(2, 3, 0, 4, 5, dtype=torch.float32, device="cpu")
+    kv0, k_sum0 = (x.requires_grad_() for x in random_state(2, 3, 4, 5, torch.float32, normalize))
+    out, state = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=(kv0, k_sum0),
+                                                          return_final_state=True)
+    assert out.shape == (2, 3, 0, 5)
+    torch.testing.assert_close(state.kv, kv0, rtol=0, atol=0)
+    torch.testing.assert_close(state.k_sum, k_sum0, rtol=0, atol=0)
+    (state.kv.sum() + 2 * state.k_sum.sum()).backward()
+    torch.testing.assert_close(kv0.grad, torch.ones_like(kv0), rtol=0, atol=0)
+    torch.testing.assert_close(k_sum0.grad, torch.full_like(k_sum0, 2.0), rtol=0, atol=0)
+
+
+def test_final_state_without_initial_state():
+    q, k, v = make_inputs(2, 2, 70, 5, 6, dtype=torch.float64, device="cpu")
+    _, state = fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
+    _, ref_kv, ref_k_sum = reference_with_state(q, k, v)
+    assert relative_error(state.kv, ref_kv) <= 1e-12 and relative_error(state.k_sum, ref_k_sum) <= 1e-12
+
+
+def good_state_case():
+    q, k, v = make_inputs(2, 3, 10, 4, 5, dtype=torch.float32, device="cpu")
+    return (q, k, v), random_state(2, 3, 4, 5, torch.float32, True)
+
+
+@pytest.mark.parametrize(
+    "bad, pattern",
+    [
+        (lambda s: (s.kv[:, :, :3], s.k_sum), r"initial_state.kv must have shape \[2, 3, 4, 5\] \(\[B, H, E, M\]\), got \[2, 3, 3, 5\]"),
+        (lambda s: (s.kv, s.k_sum[..., :2]), r"initial_state.k_sum must have shape \[2, 3, 4\] \(\[B, H, E\]\), got \[2, 3, 2\]"),
+        (lambda s: (s.kv.half(), s.k_sum), r"initial_state.kv must be Float \(the state dtype for Float inputs\), got Half"),
+        (lambda s: (s.kv, s.k_sum.double()), r"initial_state.k_sum must be Float .*got Double"),
+        (lambda s: (s.kv, None), r"initial_state needs both kv and k_sum, got only kv"),
+        (lambda s: (s.kv.to("meta"), s.k_sum), r"initial_kv must be on the same device as q \(cpu\), got meta"),
+    ],
+    ids=["kv_shape", "k_sum_shape", "kv_dtype", "k_sum_dtype", "missing_k_sum", "kv_device"],
+)
+def test_bad_initial_state(bad, pattern):
+    (q, k, v), state = good_state_case()
+    with pytest.raises(RuntimeError, match=pattern):
+        fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, initial_state=bad(state))
+
+
+@CUDA
+def test_state_on_cuda_says_not_yet():
+    (q, k, v), state = good_state_case()
+    q, k, v = (x.cuda() for x in (q, k, v))
+    with pytest.raises(RuntimeError, match=r"initial_state and return_final_state are not supported on cuda yet"):
+        fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
+
+
+def test_state_under_torch_compile():
+    torch._dynamo.reset()
+    q, k, v = make_inputs(1, 2, 40, 4, 6, dtype=torch.float32, device="cpu", normalize=True)
+    kv0, k_sum0 = random_state(1, 2, 4, 6, torch.float32, True)
+
+    def step(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, initial_state=(kv0, k_sum0),
+                                                              return_final_state=True)
+        return out.square().sum() + state.kv.sum() + state.k_sum.sum()
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, kv0, k_sum0)]
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    want = torch.autograd.grad(step(*leaves), leaves)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
