@@ -5,7 +5,9 @@ For each batch and head, with q' = scale * q:
     unnormalized:  O[t] = sum_{s<=t} (q'[t] . k[s]) v[s]
     normalized:    O[t] = sum_{s<=t} (q'[t] . k[s]) v[s] / (q'[t] . sum_{s<=t} k[s] + eps)
 """
-from ._ops import CausalDotProduct, State
+import torch
+
+from ._ops import CausalDotProduct, State, autocast_dtype
 
 __all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct", "State"]
 __version__ = "0.1.0"
@@ -17,7 +19,7 @@ def causal_dot_product(q, k, v):
     q, k: [B, H, L, E]; v: [B, H, L, M]. Returns [B, H, L, M]:
     ``out[b, h, t] = sum_{s<=t} (q[b, h, t] . k[b, h, s]) v[b, h, s]``. Differentiable in q, k and v.
     """
-    return CausalDotProduct.apply(q, k, v)
+    return causal_linear_attention(q, k, v)
 
 
 def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_state=None,
@@ -38,6 +40,9 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
             sequence; None starts from zero. CPU only for now.
         return_final_state: also return the state after the last timestep. CPU only for now.
 
+    Under torch.autocast (float16 or bfloat16 on CUDA, bfloat16 on the CPU) q, k and v run in the
+    autocast dtype, accumulating in float32.
+
     Returns:
         The output, in the inputs' layout and dtype: [B, H, L, M] or [B, L, H, M]; with
         return_final_state, ``(out, State(kv, k_sum))``. float16 and bfloat16 inputs accumulate in
@@ -46,8 +51,14 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
         whole gives.
     """
     kv, k_sum = (None, None) if initial_state is None else initial_state
-    result = CausalDotProduct.apply(q, k, v, float(scale), bool(normalize), float(eps), layout, kv, k_sum,
-                                    bool(return_final_state))
+    args = (float(scale), bool(normalize), float(eps), layout, kv, k_sum, bool(return_final_state))
+    run_dtype = autocast_dtype(q)
+    if run_dtype is None:
+        result = CausalDotProduct.apply(q, k, v, *args)
+    else:  # run in the autocast dtype (accumulating in float32); the state stays float32
+        q, k, v = (x.to(run_dtype) for x in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            result = CausalDotProduct.apply(q, k, v, *args)
     if return_final_state:
         out, final_kv, final_k_sum = result
         return out, State(final_kv, final_k_sum)

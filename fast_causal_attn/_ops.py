@@ -15,6 +15,15 @@ kv: [B, H, E, M], the sum of k v^T so far; k_sum: [B, H, E], the sum of k so far
 state). float32, or float64 for float64 inputs."""
 
 
+def autocast_dtype(q):
+    """The dtype torch.autocast asks for on q's device, or None outside autocast. float64 inputs
+    are left alone, as autocast leaves them."""
+    device = q.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device) or q.dtype == torch.float64:
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def _accumulation_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
