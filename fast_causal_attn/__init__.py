@@ -7,9 +7,10 @@ For each batch and head, with q' = scale * q:
 """
 import torch
 
+from . import feature_maps, nn
 from ._ops import CausalDotProduct, State, autocast_dtype
 
-__all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct", "State"]
+__all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct", "State", "feature_maps", "nn"]
 __version__ = "0.1.0"
 
 
