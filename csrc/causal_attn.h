@@ -25,12 +25,29 @@ struct StridedTensor {
   }
 };
 
+// One (sequence, head) of a problem: its batch entry, its timesteps [begin, begin + length), and
+// its index into the states and the den rows.
+struct Sequence {
+  int64_t b, h, begin, length;
+  int64_t state;  // sequence * H + head: the [.., H, ..] state's row
+
+  template <typename Params>
+  static Sequence of(const Params& p, int64_t index) {  // index in [0, num_seqs * H)
+    const int64_t seq = index / p.H, h = index % p.H;
+    if (p.cu_seqlens == nullptr) return {seq, h, 0, p.L, index};
+    return {0, h, p.cu_seqlens[seq], p.cu_seqlens[seq + 1] - p.cu_seqlens[seq], index};
+  }
+  // Offset of timestep t of this sequence in a contiguous [B, H, L] array (den).
+  int64_t row(int64_t L, int64_t H, int64_t t) const { return (b * H + h) * L + begin + t; }
+};
+
 // O[t] = q'[t] (S0 + sum_{s<=t} k[s] v[s]^T), q' = scale * q, optionally divided by
 // q'[t] . (z0 + sum_{s<=t} k[s]) + eps, where S0 (kv) and z0 (k_sum) are the initial state (zero
 // unless given). The final state S0 + sum k v^T, z0 + sum k is written when asked for.
 //
-// Per-sequence offsets (cu_seqlens) slot in here later: the kernels already run one (batch, head)
-// sequence at a time from a running state.
+// With cu_seqlens the inputs are packed (B = 1) and sequence i is timesteps
+// [cu_seqlens[i], cu_seqlens[i + 1]); attention never crosses a boundary, and the states are per
+// sequence ([N, H, ...] instead of [B, H, ...]).
 struct ForwardParams {
   c10::ScalarType dtype;   // of q, k, v and o; accumulation is float (double for double inputs)
   int64_t B = 0, H = 0, L = 0;
@@ -49,11 +66,14 @@ struct ForwardParams {
   // q'[t] . sum_{s<=t} k[s] + eps, kept for the backward.
   void* den = nullptr;
 
+  const int64_t* cu_seqlens = nullptr;  // [N + 1], or nullptr: every batch entry is one sequence
+  int64_t num_seqs = 0;                 // N when cu_seqlens, else B
+
   // The state, contiguous, accumulation dtype; each may be nullptr (no initial state: zero).
-  const void* initial_kv = nullptr;     // [B, H, E, M]
-  const void* initial_k_sum = nullptr;  // [B, H, E]
-  void* final_kv = nullptr;             // [B, H, E, M], written
-  void* final_k_sum = nullptr;          // [B, H, E], written
+  const void* initial_kv = nullptr;     // [num_seqs, H, E, M]
+  const void* initial_k_sum = nullptr;  // [num_seqs, H, E]
+  void* final_kv = nullptr;             // [num_seqs, H, E, M], written
+  void* final_k_sum = nullptr;          // [num_seqs, H, E], written
 };
 
 // Gradients of the forward above. With g[t] = dO[t] / den[t] and c[t] = -(g[t] . O[t]) (normalize;
@@ -75,10 +95,10 @@ struct BackwardParams : ForwardParams {
   // initial_k_sum (inherited) are read; final_kv and final_k_sum are unused.
 
   // Contiguous, accumulation dtype, each may be nullptr.
-  const void* grad_final_kv = nullptr;     // [B, H, E, M]
-  const void* grad_final_k_sum = nullptr;  // [B, H, E]
-  void* grad_initial_kv = nullptr;         // [B, H, E, M], written
-  void* grad_initial_k_sum = nullptr;      // [B, H, E], written
+  const void* grad_final_kv = nullptr;     // [num_seqs, H, E, M]
+  const void* grad_final_k_sum = nullptr;  // [num_seqs, H, E]
+  void* grad_initial_kv = nullptr;         // [num_seqs, H, E, M], written
+  void* grad_initial_k_sum = nullptr;      // [num_seqs, H, E], written
 };
 
 }  // namespace fast_causal_attn

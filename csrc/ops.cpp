@@ -113,13 +113,17 @@ void fill_problem(ForwardParams& p, const at::Tensor& qb, const at::Tensor& vb, 
   p.scale = scale;
   p.normalize = normalize;
   p.eps = eps;
+  p.num_seqs = p.B;
 }
 
 // A [B, H, E, M] or [B, H, E] state tensor: shape, dtype and device, made contiguous.
-at::Tensor checked_state(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& q) {
+// N is B, or the number of sequences with cu_seqlens (`varlen`).
+at::Tensor checked_state(const at::Tensor& t, const char* name, at::IntArrayRef shape, const at::Tensor& q,
+                         bool varlen) {
   const auto dtype = accumulation_dtype(q.scalar_type());
-  TORCH_CHECK(t.sizes() == shape, "fast_causal_attn: ", name, " must have shape ", shape,
-              shape.size() == 4 ? " ([B, H, E, M])" : " ([B, H, E])", ", got ", t.sizes());
+  const char* dims = shape.size() == 4 ? (varlen ? " ([N, H, E, M])" : " ([B, H, E, M])")
+                                       : (varlen ? " ([N, H, E])" : " ([B, H, E])");
+  TORCH_CHECK(t.sizes() == shape, "fast_causal_attn: ", name, " must have shape ", shape, dims, ", got ", t.sizes());
   TORCH_CHECK(t.scalar_type() == dtype, "fast_causal_attn: ", name, " must be ", dtype, " (the state dtype for ",
               q.scalar_type(), " inputs), got ", t.scalar_type());
   TORCH_CHECK(t.device() == q.device(), "fast_causal_attn: ", name, " must be on the same device as q (", q.device(),
@@ -136,9 +140,33 @@ struct StateShapes {
   std::vector<int64_t> kv, k_sum;
 };
 
-StateShapes state_shapes(const at::Tensor& q_bhld, const at::Tensor& v_bhld) {
-  const int64_t B = q_bhld.size(0), H = q_bhld.size(1), E = q_bhld.size(3), M = v_bhld.size(3);
-  return {{B, H, E, M}, {B, H, E}};
+// [N, H, E, M] and [N, H, E]: N sequences, the batch entries or the cu_seqlens sequences.
+StateShapes state_shapes(const at::Tensor& q_bhld, const at::Tensor& v_bhld, int64_t num_seqs) {
+  const int64_t H = q_bhld.size(1), E = q_bhld.size(3), M = v_bhld.size(3);
+  return {{num_seqs, H, E, M}, {num_seqs, H, E}};
+}
+
+// cu_seqlens as int64 on the CPU, checked against the packed inputs (batch 1, `total` timesteps).
+at::Tensor checked_cu_seqlens(const at::Tensor& cu, const at::Tensor& q, int64_t batch, int64_t total) {
+  TORCH_CHECK(cu.scalar_type() == at::kInt || cu.scalar_type() == at::kLong,
+              "fast_causal_attn: cu_seqlens must be int32 or int64, got ", cu.scalar_type());
+  TORCH_CHECK(cu.dim() == 1 && cu.size(0) >= 1,
+              "fast_causal_attn: cu_seqlens must be a 1-D tensor [N + 1], got shape ", cu.sizes());
+  TORCH_CHECK(cu.device() == q.device(), "fast_causal_attn: cu_seqlens must be on the same device as q (",
+              q.device(), "), got ", cu.device());
+  TORCH_CHECK(batch == 1, "fast_causal_attn: with cu_seqlens, q, k and v hold the sequences packed along the time "
+              "dimension with batch size 1, got batch size ", batch);
+  at::Tensor offsets = cu.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* c = offsets.data_ptr<int64_t>();
+  const int64_t n = offsets.size(0);
+  TORCH_CHECK(c[0] == 0, "fast_causal_attn: cu_seqlens must start at 0, got ", c[0]);
+  for (int64_t i = 1; i < n; ++i) {
+    TORCH_CHECK(c[i] >= c[i - 1], "fast_causal_attn: cu_seqlens must be non-decreasing, got ", c[i - 1], " then ",
+                c[i], " at index ", i);
+  }
+  TORCH_CHECK(c[n - 1] == total, "fast_causal_attn: the last entry of cu_seqlens must be the number of packed "
+              "timesteps ", total, ", got ", c[n - 1]);
+  return offsets;
 }
 
 // kv and k_sum of a state come together or not at all.
@@ -148,33 +176,38 @@ void check_state_pair(const c10::optional<at::Tensor>& kv, const c10::optional<a
               " needs both kv and k_sum, got only ", kv.has_value() ? "kv" : "k_sum");
 }
 
-void check_state_backend(const at::Tensor& q, bool uses_state) {
+void check_state_backend(const at::Tensor& q, bool uses_state, bool uses_cu_seqlens) {
   TORCH_CHECK(!uses_state || q.device().is_cpu(),
               "fast_causal_attn: initial_state and return_final_state are not supported on ", q.device().type(),
               " yet; they run on the CPU");
+  TORCH_CHECK(!uses_cu_seqlens || q.device().is_cpu(), "fast_causal_attn: cu_seqlens is not supported on ",
+              q.device().type(), " yet; it runs on the CPU");
 }
 
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
-    const c10::optional<at::Tensor>& initial_k_sum, double scale, bool normalize, double eps,
-    c10::string_view layout_name, bool return_final_state, ForwardLauncher launch) {
+    const c10::optional<at::Tensor>& initial_k_sum, const c10::optional<at::Tensor>& cu_seqlens, double scale,
+    bool normalize, double eps, c10::string_view layout_name, bool return_final_state, ForwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, eps);
   check_inputs(q, k, v, layout);
   check_state_pair(initial_kv, initial_k_sum, "initial_state");
-  check_state_backend(q, initial_kv.has_value() || return_final_state);
+  check_state_backend(q, initial_kv.has_value() || return_final_state, cu_seqlens.has_value());
   c10::DeviceGuard guard(q.device());
 
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
-  const StateShapes shapes = state_shapes(qb, vb);
+  const at::Tensor offsets =
+      cu_seqlens.has_value() ? checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2)) : at::Tensor();
+  const int64_t num_seqs = offsets.defined() ? offsets.size(0) - 1 : qb.size(0);
+  const StateShapes shapes = state_shapes(qb, vb, num_seqs);
   at::Tensor kv0, k_sum0;
   if (initial_kv.has_value()) {
-    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q);
-    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q);
+    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q, offsets.defined());
+    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q, offsets.defined());
   }
   const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor ob = empty_bhld(vb, vb.size(3), layout);
@@ -189,6 +222,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
     p.v = strided(vb);
     p.o = strided(ob);
     p.den = normalize ? den.data_ptr() : nullptr;
+    if (offsets.defined()) {
+      p.cu_seqlens = offsets.data_ptr<int64_t>();
+      p.num_seqs = num_seqs;
+    }
     if (kv0.defined()) {
       p.initial_kv = kv0.data_ptr();
       p.initial_k_sum = k_sum0.data_ptr();
@@ -206,8 +243,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
     const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_final_kv,
     const c10::optional<at::Tensor>& grad_final_k_sum, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den,
-    const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum, double scale,
-    bool normalize, c10::string_view layout_name, BackwardLauncher launch) {
+    const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum,
+    const c10::optional<at::Tensor>& cu_seqlens, double scale, bool normalize, c10::string_view layout_name,
+    BackwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, 1.0);
   check_inputs(q, k, v, layout);
@@ -216,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
   check_dtype_and_device(grad_out, "grad_out", q);
   check_state_pair(initial_kv, initial_k_sum, "initial_state");
   check_state_pair(grad_final_kv, grad_final_k_sum, "the gradient of the final state");
-  check_state_backend(q, initial_kv.has_value() || grad_final_kv.has_value());
+  check_state_backend(q, initial_kv.has_value() || grad_final_kv.has_value(), cu_seqlens.has_value());
   if (normalize) {
     TORCH_CHECK(out.has_value() && den.has_value(),
                 "fast_causal_attn: the backward with normalize=True needs the forward's out and den");
@@ -235,15 +273,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
-  const StateShapes shapes = state_shapes(qb, vb);
+  const at::Tensor offsets =
+      cu_seqlens.has_value() ? checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2)) : at::Tensor();
+  const int64_t num_seqs = offsets.defined() ? offsets.size(0) - 1 : qb.size(0);
+  const StateShapes shapes = state_shapes(qb, vb, num_seqs);
   at::Tensor kv0, k_sum0, dkv1, dk_sum1;
   if (initial_kv.has_value()) {
-    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q);
-    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q);
+    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q, offsets.defined());
+    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q, offsets.defined());
   }
   if (grad_final_kv.has_value()) {
-    dkv1 = checked_state(*grad_final_kv, "grad_final_kv", shapes.kv, q);
-    dk_sum1 = checked_state(*grad_final_k_sum, "grad_final_k_sum", shapes.k_sum, q);
+    dkv1 = checked_state(*grad_final_kv, "grad_final_kv", shapes.kv, q, offsets.defined());
+    dk_sum1 = checked_state(*grad_final_k_sum, "grad_final_k_sum", shapes.k_sum, q, offsets.defined());
   }
   const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor dqb = empty_bhld(qb, qb.size(3), layout);
@@ -270,6 +311,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
       p.o = strided(ob);
       p.den = denc.data_ptr();
     }
+    if (offsets.defined()) {
+      p.cu_seqlens = offsets.data_ptr<int64_t>();
+      p.num_seqs = num_seqs;
+    }
     if (initial) {
       p.initial_kv = kv0.data_ptr();
       p.initial_k_sum = k_sum0.data_ptr();
@@ -286,12 +331,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
 }
 
 TORCH_LIBRARY(fast_causal_attn, m) {
-  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, float scale,"
-        " bool normalize, float eps, str layout, bool return_final_state)"
+  m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens,"
+        " float scale, bool normalize, float eps, str layout, bool return_final_state)"
         " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum)");
   m.def("backward(Tensor grad_out, Tensor? grad_final_kv, Tensor? grad_final_k_sum, Tensor q, Tensor k, Tensor v,"
-        " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, float scale, bool normalize,"
-        " str layout) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
+        " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens, float scale,"
+        " bool normalize, str layout) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
         " Tensor grad_initial_k_sum)");
 }
 

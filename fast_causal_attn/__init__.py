@@ -24,7 +24,7 @@ def causal_dot_product(q, k, v):
 
 
 def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_state=None,
-                            return_final_state=False):
+                            return_final_state=False, cu_seqlens=None):
     """Causal linear attention, optionally normalized, in either layout.
 
     Args:
@@ -40,6 +40,10 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
             for float64 inputs) to start from, e.g. the final state of the previous piece of the
             sequence; None starts from zero. CPU only for now.
         return_final_state: also return the state after the last timestep. CPU only for now.
+        cu_seqlens: variable-length batches: int32 or int64 [N + 1] offsets (0, ..., total) of N
+            sequences packed along the time dimension of inputs with batch size 1. Attention never
+            crosses a sequence boundary; states are then per sequence, [N, H, E, M] and [N, H, E].
+            CPU only for now.
 
     Under torch.autocast (float16 or bfloat16 on CUDA, bfloat16 on the CPU) q, k and v run in the
     autocast dtype, accumulating in float32.
@@ -52,7 +56,7 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
         whole gives.
     """
     kv, k_sum = (None, None) if initial_state is None else initial_state
-    args = (float(scale), bool(normalize), float(eps), layout, kv, k_sum, bool(return_final_state))
+    args = (float(scale), bool(normalize), float(eps), layout, kv, k_sum, bool(return_final_state), cu_seqlens)
     run_dtype = autocast_dtype(q)
     if run_dtype is None:
         result = CausalDotProduct.apply(q, k, v, *args)

@@ -42,29 +42,31 @@ def _check_same_device(q, **others):
         )
 
 
-def _state_shapes(q, v, layout):
+def _state_shapes(q, v, layout, cu_seqlens):
     B, H, _ = _bhl(q, layout)
-    return (B, H, q.shape[-1], v.shape[-1]), (B, H, q.shape[-1])
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (N, H, q.shape[-1], v.shape[-1]), (N, H, q.shape[-1])
 
 
 @torch.library.register_fake("fast_causal_attn::forward")
-def _forward_fake(q, k, v, initial_kv, initial_k_sum, scale, normalize, eps, layout, return_final_state):
-    _check_same_device(q, k=k, v=v, initial_kv=initial_kv, initial_k_sum=initial_k_sum)
+def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state):
+    _check_same_device(q, k=k, v=v, initial_kv=initial_kv, initial_k_sum=initial_k_sum, cu_seqlens=cu_seqlens)
     acc = _accumulation_dtype(q.dtype)
     # The output has v's shape in either layout, contiguous in that layout.
     out = v.new_empty(v.shape)
     den = q.new_empty(_bhl(q, layout) if normalize else (0,), dtype=acc)
-    kv_shape, k_sum_shape = _state_shapes(q, v, layout) if return_final_state else ((0,), (0,))
+    kv_shape, k_sum_shape = _state_shapes(q, v, layout, cu_seqlens) if return_final_state else ((0,), (0,))
     return out, den, q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc)
 
 
 @torch.library.register_fake("fast_causal_attn::backward")
-def _backward_fake(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, scale,
-                   normalize, layout):
+def _backward_fake(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum,
+                   cu_seqlens, scale, normalize, layout):
     _check_same_device(q, k=k, v=v, grad_out=grad_out, out=out, den=den, initial_kv=initial_kv,
-                       initial_k_sum=initial_k_sum, grad_final_kv=grad_final_kv, grad_final_k_sum=grad_final_k_sum)
+                       initial_k_sum=initial_k_sum, grad_final_kv=grad_final_kv, grad_final_k_sum=grad_final_k_sum,
+                       cu_seqlens=cu_seqlens)
     acc = _accumulation_dtype(q.dtype)
-    kv_shape, k_sum_shape = _state_shapes(q, v, layout) if initial_kv is not None else ((0,), (0,))
+    kv_shape, k_sum_shape = _state_shapes(q, v, layout, cu_seqlens) if initial_kv is not None else ((0,), (0,))
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),
             q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc))
 
@@ -79,11 +81,11 @@ class CausalDotProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
-                initial_k_sum=None, return_final_state=False):
-        out, den, final_kv, final_k_sum = _forward(q, k, v, initial_kv, initial_k_sum, scale, normalize, eps, layout,
-                                                   return_final_state)
+                initial_k_sum=None, return_final_state=False, cu_seqlens=None):
+        out, den, final_kv, final_k_sum = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,
+                                                   eps, layout, return_final_state)
         ctx.save_for_backward(q, k, v, out if normalize else None, den if normalize else None, initial_kv,
-                              initial_k_sum)
+                              initial_k_sum, cu_seqlens)
         ctx.scale, ctx.normalize, ctx.layout = scale, normalize, layout
         ctx.return_final_state = return_final_state
         return (out, final_kv, final_k_sum) if return_final_state else out
@@ -91,10 +93,10 @@ class CausalDotProduct(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_final_kv=None, grad_final_k_sum=None):
-        q, k, v, out, den, initial_kv, initial_k_sum = ctx.saved_tensors
+        q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens = ctx.saved_tensors
         grad_q, grad_k, grad_v, grad_kv, grad_k_sum = _backward(
-            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, ctx.scale,
-            ctx.normalize, ctx.layout)
+            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens,
+            ctx.scale, ctx.normalize, ctx.layout)
         if initial_kv is None:
             grad_kv = grad_k_sum = None
-        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None
+        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None, None

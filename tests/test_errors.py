@@ -105,8 +105,8 @@ def test_zero_head_dim():
 def test_backward_op_checks_grad_out():
     q, k, v = good_inputs()
     with pytest.raises(RuntimeError, match=r"grad_out must have the shape of the output \[2, 3, 10, 5\], got"):
-        torch.ops.fast_causal_attn.backward(torch.zeros(2, 3, 10, 4), None, None, q, k, v, None, None, None, None, 1.0,
+        torch.ops.fast_causal_attn.backward(torch.zeros(2, 3, 10, 4), None, None, q, k, v, None, None, None, None, None, 1.0,
                                             False, "bhld")
     with pytest.raises(RuntimeError, match=r"normalize=True needs the forward's out and den"):
-        torch.ops.fast_causal_attn.backward(torch.zeros(2, 3, 10, 5), None, None, q, k, v, None, None, None, None, 1.0,
+        torch.ops.fast_causal_attn.backward(torch.zeros(2, 3, 10, 5), None, None, q, k, v, None, None, None, None, None, 1.0,
                                             True, "bhld")

@@ -33,7 +33,7 @@ def test_opcheck_forward(layout, normalize, with_state, device):
         pytest.skip("initial and final states run on the CPU only for now")
     q, k, v = op_inputs(device, layout, normalize)
     kv0, k_sum0 = state_inputs(q, v, layout, with_state)
-    torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, 0.5, normalize, 1e-6, layout, with_state))
+    torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -45,12 +45,12 @@ def test_opcheck_backward(layout, normalize, with_state, device):
         pytest.skip("initial and final states run on the CPU only for now")
     q, k, v = op_inputs(device, layout, normalize)
     kv0, k_sum0 = state_inputs(q, v, layout, with_state)
-    out, den, kv1, k_sum1 = ops.forward(q, k, v, kv0, k_sum0, 0.5, normalize, 1e-6, layout, with_state)
+    out, den, kv1, k_sum1 = ops.forward(q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state)
     grad_out = torch.randn_like(out)
     grad_final = (torch.randn_like(kv1), torch.randn_like(k_sum1)) if with_state else (None, None)
     saved = (out, den) if normalize else (None, None)
     torch.library.opcheck(ops.backward.default,
-                          (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, 0.5, normalize, layout))
+                          (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, None, 0.5, normalize, layout))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -170,34 +170,34 @@ struct ColumnBlocks {
   }
 };
 
-// One (batch, head) slice of a [B, H, L, D] operand.
+// One sequence's rows of a [B, H, L, D] operand: row t is the sequence's timestep t.
 template <typename scalar_t>
 struct Rows {
   scalar_t* base;
   int64_t stride;
-  Rows(const StridedTensor& t, int64_t b, int64_t h)
-      : base(static_cast<scalar_t*>(t.ptr) + t.offset(b, h, 0)), stride(t.stride_l) {}
+  Rows(const StridedTensor& t, const Sequence& s)
+      : base(static_cast<scalar_t*>(t.ptr) + t.offset(s.b, s.h, s.begin)), stride(t.stride_l) {}
   scalar_t* operator[](int64_t t) const { return base + t * stride; }
 };
 
 template <typename scalar_t>
 void forward_cpu_kernel(const ForwardParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t pairs = p.B * p.H;
+  const int64_t pairs = p.num_seqs * p.H;
   const ColumnBlocks blocks(p.M, pairs);
   const acc_t scale = static_cast<acc_t>(p.scale), eps = static_cast<acc_t>(p.eps);
   at::parallel_for(0, pairs * blocks.count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t pair = item / blocks.count, b = pair / p.H, h = pair % p.H;
+      const Sequence seq = Sequence::of(p, item / blocks.count);
       const int64_t m0 = (item % blocks.count) * blocks.width, mw = std::min(blocks.width, p.M - m0);
-      const Rows<const scalar_t> q(p.q, b, h), k(p.k, b, h), v(p.v, b, h);
-      const Rows<scalar_t> o(p.o, b, h);
-      acc_t* den = p.normalize ? static_cast<acc_t*>(p.den) + pair * p.L : nullptr;
+      const Rows<const scalar_t> q(p.q, seq), k(p.k, seq), v(p.v, seq);
+      const Rows<scalar_t> o(p.o, seq);
+      acc_t* den = p.normalize ? static_cast<acc_t*>(p.den) + seq.row(p.L, p.H, 0) : nullptr;
       // With normalize (or a final state to return), c carries a column of ones: its output is the
       // denominator's q' . sum k, its state the sum of k.
       const bool ones = p.normalize || p.final_k_sum != nullptr;
       ChunkedCausalProduct<acc_t> prod(p.E, mw + ones);
-      const int64_t kv_offset = pair * p.E * p.M, k_sum_offset = pair * p.E;
+      const int64_t kv_offset = seq.state * p.E * p.M, k_sum_offset = seq.state * p.E;
       if (p.initial_kv != nullptr) {
         const acc_t* kv0 = static_cast<const acc_t*>(p.initial_kv) + kv_offset;
         const acc_t* k_sum0 = static_cast<const acc_t*>(p.initial_k_sum) + k_sum_offset;
@@ -207,7 +207,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
         }
       }
       prod.template run<false>(
-          p.L,
+          seq.length,
           [&](int64_t t0, int64_t n) {
             for (int64_t r = 0; r < n; ++r) {
               load_row(q[t0 + r], p.E, scale, prod.a_row(r));
@@ -245,7 +245,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
 template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t pairs = p.B * p.H;
+  const int64_t pairs = p.num_seqs * p.H;
   const ColumnBlocks e_blocks(p.E, 3 * pairs), m_blocks(p.M, 3 * pairs);
   const int64_t dq_items = pairs * e_blocks.count, dk_items = dq_items, dv_items = pairs * m_blocks.count;
   const acc_t scale = static_cast<acc_t>(p.scale);
@@ -257,11 +257,11 @@ void backward_cpu_kernel(const BackwardParams& p) {
       if (local >= dq_items) { kind = 1; local -= dq_items; }
       if (kind == 1 && local >= dk_items) { kind = 2; local -= dk_items; }
       const ColumnBlocks& blocks = kind == 2 ? m_blocks : e_blocks;
-      const int64_t pair = local / blocks.count, b = pair / p.H, h = pair % p.H;
+      const Sequence seq = Sequence::of(p, local / blocks.count);
       const int64_t c0 = (local % blocks.count) * blocks.width;
       const int64_t cw = std::min(blocks.width, (kind == 2 ? p.M : p.E) - c0);
-      const Rows<const scalar_t> q(p.q, b, h), k(p.k, b, h), v(p.v, b, h), dout(p.dout, b, h), o(p.o, b, h);
-      const acc_t* den = p.normalize ? static_cast<const acc_t*>(p.den) + pair * p.L : nullptr;
+      const Rows<const scalar_t> q(p.q, seq), k(p.k, seq), v(p.v, seq), dout(p.dout, seq), o(p.o, seq);
+      const acc_t* den = p.normalize ? static_cast<const acc_t*>(p.den) + seq.row(p.L, p.H, 0) : nullptr;
 
       // [g, c][t] with g = dO / den and c = -(g . O) when normalize; plain dO otherwise.
       auto load_grad = [&](int64_t t, acc_t* dst, bool with_c) {
@@ -282,7 +282,7 @@ void backward_cpu_kernel(const BackwardParams& p) {
         if (p.normalize) dst[M] = acc_t(1);
       };
       // The state of this (batch, head): kv [E, M] and k_sum [E] at an offset.
-      const int64_t kv_offset = pair * p.E * p.M, k_sum_offset = pair * p.E;
+      const int64_t kv_offset = seq.state * p.E * p.M, k_sum_offset = seq.state * p.E;
       auto state_ptr = [&](const void* base, int64_t offset) {
         return base == nullptr ? nullptr : static_cast<const acc_t*>(base) + offset;
       };
@@ -301,9 +301,9 @@ void backward_cpu_kernel(const BackwardParams& p) {
       if (kind == 0) {  // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
         ChunkedCausalProduct<acc_t> prod(Mg, cw);
         if (kv0 != nullptr) set_transposed(prod, kv0, k_sum0);
-        const Rows<scalar_t> dq(p.dq, b, h);
+        const Rows<scalar_t> dq(p.dq, seq);
         prod.template run<false>(
-            p.L,
+            seq.length,
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
                 load_grad(t0 + r, prod.a_row(r), true);
@@ -319,9 +319,9 @@ void backward_cpu_kernel(const BackwardParams& p) {
         if (dkv1 != nullptr) set_transposed(prod, dkv1, dk_sum1);
         // Without normalize there is no row of ones to carry dz1 into dk: it adds to every row.
         const acc_t* dk_add = (!p.normalize && dk_sum1 != nullptr) ? dk_sum1 + c0 : nullptr;
-        const Rows<scalar_t> dk(p.dk, b, h);
+        const Rows<scalar_t> dk(p.dk, seq);
         prod.template run<true>(
-            p.L,
+            seq.length,
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
                 load_v_ones(t0 + r, prod.a_row(r));
@@ -347,10 +347,10 @@ void backward_cpu_kernel(const BackwardParams& p) {
         if (dkv1 != nullptr) {
           for (int64_t e = 0; e < p.E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
         }
-        const Rows<scalar_t> dv(p.dv, b, h);
+        const Rows<scalar_t> dv(p.dv, seq);
         std::vector<acc_t> grad_row(Mg);
         prod.template run<true>(
-            p.L,
+            seq.length,
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
                 load_row(k[t0 + r], p.E, acc_t(1), prod.a_row(r));
