@@ -241,6 +241,68 @@ void forward_cpu_kernel(const ForwardParams& p) {
   });
 }
 
+// The decoding step, L = 1: out = q' (S0 + k v^T) [/ (q' . (z0 + k) + eps)], S1 = S0 + k v^T. One
+// read of the state and one write, nothing else: the step is bound by the state's bytes, which the
+// chunked path would copy in and out of its buffers several times.
+// One row e of the decoding step: s = row0 + k_e v (row0 absent: zero), row1 = s, out += q_e s.
+// Branch-free inner loops over restrict pointers, so that they vectorize.
+template <typename acc_t>
+void decode_row(const acc_t* __restrict__ row0, acc_t* __restrict__ row1, const acc_t* __restrict__ v,
+                acc_t* __restrict__ out, acc_t q_e, acc_t k_e, int64_t M) {
+  if (row0 && row1) {
+    for (int64_t m = 0; m < M; ++m) {
+      const acc_t s = row0[m] + k_e * v[m];
+      row1[m] = s;
+      out[m] += q_e * s;
+    }
+  } else if (row0) {
+    for (int64_t m = 0; m < M; ++m) out[m] += q_e * (row0[m] + k_e * v[m]);
+  } else if (row1) {
+    for (int64_t m = 0; m < M; ++m) {
+      row1[m] = k_e * v[m];
+      out[m] += q_e * row1[m];
+    }
+  } else {
+    for (int64_t m = 0; m < M; ++m) out[m] += q_e * k_e * v[m];
+  }
+}
+
+template <typename scalar_t>
+void decode_step_cpu_kernel(const ForwardParams& p) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const acc_t scale = static_cast<acc_t>(p.scale), eps = static_cast<acc_t>(p.eps);
+  at::parallel_for(0, p.B * p.H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> v_row(p.M), out(p.M);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const Sequence seq = Sequence::of(p, pair);
+      const scalar_t* q = Rows<const scalar_t>(p.q, seq)[0];
+      const scalar_t* k = Rows<const scalar_t>(p.k, seq)[0];
+      load_row(Rows<const scalar_t>(p.v, seq)[0], p.M, acc_t(1), v_row.data());
+      const acc_t* kv0 = p.initial_kv ? static_cast<const acc_t*>(p.initial_kv) + pair * p.E * p.M : nullptr;
+      const acc_t* k_sum0 = p.initial_k_sum ? static_cast<const acc_t*>(p.initial_k_sum) + pair * p.E : nullptr;
+      acc_t* kv1 = p.final_kv ? static_cast<acc_t*>(p.final_kv) + pair * p.E * p.M : nullptr;
+      acc_t* k_sum1 = p.final_k_sum ? static_cast<acc_t*>(p.final_k_sum) + pair * p.E : nullptr;
+      std::fill(out.begin(), out.end(), acc_t(0));
+      acc_t den = acc_t(0);
+      for (int64_t e = 0; e < p.E; ++e) {
+        const acc_t q_e = scale * static_cast<acc_t>(q[e]), k_e = static_cast<acc_t>(k[e]);
+        const acc_t z = (k_sum0 ? k_sum0[e] : acc_t(0)) + k_e;
+        den += q_e * z;
+        if (k_sum1) k_sum1[e] = z;
+        decode_row(kv0 ? kv0 + e * p.M : nullptr, kv1 ? kv1 + e * p.M : nullptr, v_row.data(), out.data(), q_e,
+                   k_e, p.M);
+      }
+      scalar_t* o = Rows<scalar_t>(p.o, seq)[0];
+      if (p.normalize) {
+        static_cast<acc_t*>(p.den)[seq.row(p.L, p.H, 0)] = den + eps;
+        for (int64_t m = 0; m < p.M; ++m) o[m] = static_cast<scalar_t>(out[m] / (den + eps));
+      } else {
+        store_row(out.data(), p.M, acc_t(1), o);
+      }
+    }
+  });
+}
+
 // The backward's three passes, as work items over (pass, batch, head, column block).
 template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
@@ -372,8 +434,14 @@ void backward_cpu_kernel(const BackwardParams& p) {
 }
 
 void launch_forward_cpu(const ForwardParams& p) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn forward (CPU)",
-                                  [&] { forward_cpu_kernel<scalar_t>(p); });
+  const bool decode_step = p.L == 1 && p.cu_seqlens == nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn forward (CPU)", [&] {
+    if (decode_step) {
+      decode_step_cpu_kernel<scalar_t>(p);
+    } else {
+      forward_cpu_kernel<scalar_t>(p);
+    }
+  });
 }
 
 void launch_backward_cpu(const BackwardParams& p) {
