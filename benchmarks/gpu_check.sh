@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/gpu_check.sh                 # every stage
 #   STAGES="build tests" bash benchmarks/gpu_check.sh
+#   STAGES="build decode" ...   # the decoding-step benchmark (needs state support on CUDA)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back).
 set -u -o pipefail
@@ -46,5 +47,9 @@ fi
 
 if has bench; then
   python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
+fi
+if has decode; then
+  python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode.log" | tail -12
+  status=$(( status | $? ))
 fi
 exit $status
