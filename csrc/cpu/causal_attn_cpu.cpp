@@ -213,6 +213,18 @@ struct Rows {
   scalar_t* operator[](int64_t t) const { return base + t * stride; }
 };
 
+// This sequence's slice (`size` elements) of a [N, H, ...] state array, or nullptr when the array
+// is absent.
+template <typename acc_t>
+const acc_t* state_slice(const void* base, const Sequence& s, int64_t size) {
+  return base == nullptr ? nullptr : static_cast<const acc_t*>(base) + s.state * size;
+}
+
+template <typename acc_t>
+acc_t* state_slice(void* base, const Sequence& s, int64_t size) {
+  return base == nullptr ? nullptr : static_cast<acc_t*>(base) + s.state * size;
+}
+
 template <typename scalar_t>
 void forward_cpu_kernel(const ForwardParams& p) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -230,10 +242,8 @@ void forward_cpu_kernel(const ForwardParams& p) {
       // denominator's q' . sum k, its state the sum of k.
       const bool ones = p.normalize || p.final_k_sum != nullptr;
       ChunkedCausalProduct<acc_t> prod(p.E, mw + ones);
-      const int64_t kv_offset = seq.state * p.E * p.M, k_sum_offset = seq.state * p.E;
-      if (p.initial_kv != nullptr) {
-        const acc_t* kv0 = static_cast<const acc_t*>(p.initial_kv) + kv_offset;
-        const acc_t* k_sum0 = static_cast<const acc_t*>(p.initial_k_sum) + k_sum_offset;
+      if (const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * p.M)) {
+        const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
         for (int64_t e = 0; e < p.E; ++e) {
           std::copy(kv0 + e * p.M + m0, kv0 + e * p.M + m0 + mw, prod.state_row(e));
           if (ones) prod.state_row(e)[mw] = k_sum0[e];
@@ -262,9 +272,8 @@ void forward_cpu_kernel(const ForwardParams& p) {
               }
             }
           });
-      if (p.final_kv != nullptr) {
-        acc_t* kv1 = static_cast<acc_t*>(p.final_kv) + kv_offset;
-        acc_t* k_sum1 = static_cast<acc_t*>(p.final_k_sum) + k_sum_offset;
+      if (acc_t* kv1 = state_slice<acc_t>(p.final_kv, seq, p.E * p.M)) {
+        acc_t* k_sum1 = state_slice<acc_t>(p.final_k_sum, seq, p.E);
         for (int64_t e = 0; e < p.E; ++e) {
           std::copy(prod.state_row(e), prod.state_row(e) + mw, kv1 + e * p.M + m0);
           if (m0 == 0) k_sum1[e] = prod.state_row(e)[mw];
@@ -311,10 +320,10 @@ void decode_step_cpu_kernel(const ForwardParams& p) {
       const scalar_t* q = Rows<const scalar_t>(p.q, seq)[0];
       const scalar_t* k = Rows<const scalar_t>(p.k, seq)[0];
       load_row(Rows<const scalar_t>(p.v, seq)[0], p.M, acc_t(1), v_row.data());
-      const acc_t* kv0 = p.initial_kv ? static_cast<const acc_t*>(p.initial_kv) + pair * p.E * p.M : nullptr;
-      const acc_t* k_sum0 = p.initial_k_sum ? static_cast<const acc_t*>(p.initial_k_sum) + pair * p.E : nullptr;
-      acc_t* kv1 = p.final_kv ? static_cast<acc_t*>(p.final_kv) + pair * p.E * p.M : nullptr;
-      acc_t* k_sum1 = p.final_k_sum ? static_cast<acc_t*>(p.final_k_sum) + pair * p.E : nullptr;
+      const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * p.M);
+      const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
+      acc_t* kv1 = state_slice<acc_t>(p.final_kv, seq, p.E * p.M);
+      acc_t* k_sum1 = state_slice<acc_t>(p.final_k_sum, seq, p.E);
       std::fill(out.begin(), out.end(), acc_t(0));
       acc_t den = acc_t(0);
       for (int64_t e = 0; e < p.E; ++e) {
@@ -358,14 +367,12 @@ void backward_cpu_kernel(const BackwardParams& p) {
       const Rows<const scalar_t> q(p.q, seq), k(p.k, seq), v(p.v, seq), dout(p.dout, seq), o(p.o, seq);
       const acc_t* den = p.normalize ? static_cast<const acc_t*>(p.den) + seq.row(p.L, p.H, 0) : nullptr;
 
-      // [g, c][t] with g = dO / den and c = -(g . O) when normalize; plain dO otherwise.
-      auto load_grad = [&](int64_t t, acc_t* dst, bool with_c) {
-        if (!p.normalize) {
-          load_row(dout[t], M, acc_t(1), dst);
-          return;
-        }
-        load_row(dout[t], M, acc_t(1) / den[t], dst);
-        if (with_c) {
+      // g = dO / den under normalize, plain dO otherwise.
+      auto inv_den = [&](int64_t t) { return p.normalize ? acc_t(1) / den[t] : acc_t(1); };
+      // [g, c][t] with c = -(g . O) when normalize; plain dO otherwise.
+      auto load_grad = [&](int64_t t, acc_t* dst) {
+        load_row(dout[t], M, inv_den(t), dst);
+        if (p.normalize) {
           acc_t dot = 0;
           const scalar_t* o_t = o[t];
           for (int64_t j = 0; j < M; ++j) dot += dst[j] * static_cast<acc_t>(o_t[j]);
@@ -376,15 +383,10 @@ void backward_cpu_kernel(const BackwardParams& p) {
         load_row(v[t], M, acc_t(1), dst);
         if (p.normalize) dst[M] = acc_t(1);
       };
-      // The state of this (batch, head): kv [E, M] and k_sum [E] at an offset.
-      const int64_t kv_offset = seq.state * p.E * p.M, k_sum_offset = seq.state * p.E;
-      auto state_ptr = [&](const void* base, int64_t offset) {
-        return base == nullptr ? nullptr : static_cast<const acc_t*>(base) + offset;
-      };
-      const acc_t* kv0 = state_ptr(p.initial_kv, kv_offset);
-      const acc_t* k_sum0 = state_ptr(p.initial_k_sum, k_sum_offset);
-      const acc_t* dkv1 = state_ptr(p.grad_final_kv, kv_offset);
-      const acc_t* dk_sum1 = state_ptr(p.grad_final_k_sum, k_sum_offset);
+      const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * M);
+      const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
+      const acc_t* dkv1 = state_slice<acc_t>(p.grad_final_kv, seq, p.E * M);
+      const acc_t* dk_sum1 = state_slice<acc_t>(p.grad_final_k_sum, seq, p.E);
       // Rows [m][j] = kv[c0 + j][m] of a [Mg, cw] state from a kv-shaped [E, M] state (and a k_sum).
       auto set_transposed = [&](ChunkedCausalProduct<acc_t>& prod, const acc_t* kv, const acc_t* k_sum) {
         for (int64_t m = 0; m < M; ++m)
@@ -401,7 +403,7 @@ void backward_cpu_kernel(const BackwardParams& p) {
             seq.length,
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
-                load_grad(t0 + r, prod.a_row(r), true);
+                load_grad(t0 + r, prod.a_row(r));
                 load_v_ones(t0 + r, prod.b_row(r));
                 load_row(k[t0 + r] + c0, cw, acc_t(1), prod.c_row(r));
               }
@@ -420,7 +422,7 @@ void backward_cpu_kernel(const BackwardParams& p) {
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
                 load_v_ones(t0 + r, prod.a_row(r));
-                load_grad(t0 + r, prod.b_row(r), true);
+                load_grad(t0 + r, prod.b_row(r));
                 load_row(q[t0 + r] + c0, cw, scale, prod.c_row(r));
               }
             },
@@ -431,10 +433,10 @@ void backward_cpu_kernel(const BackwardParams& p) {
                 for (int64_t j = 0; j < cw; ++j) dst[j] = static_cast<scalar_t>(dk_add ? out[j] + dk_add[j] : out[j]);
               }
             });
-        if (p.grad_initial_k_sum != nullptr) {  // dz0 = dz1 + sum_t c[t] q'[t]: the row of ones' state
-          acc_t* dk_sum0 = static_cast<acc_t*>(p.grad_initial_k_sum) + k_sum_offset + c0;
+        if (acc_t* dk_sum0 = state_slice<acc_t>(p.grad_initial_k_sum, seq, p.E)) {
+          // dz0 = dz1 + sum_t c[t] q'[t]: the row of ones' state
           for (int64_t j = 0; j < cw; ++j) {
-            dk_sum0[j] = p.normalize ? prod.state_row(M)[j] : (dk_sum1 != nullptr ? dk_sum1[c0 + j] : acc_t(0));
+            dk_sum0[c0 + j] = p.normalize ? prod.state_row(M)[j] : (dk_sum1 != nullptr ? dk_sum1[c0 + j] : acc_t(0));
           }
         }
       } else {  // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
@@ -443,22 +445,20 @@ void backward_cpu_kernel(const BackwardParams& p) {
           for (int64_t e = 0; e < p.E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
         }
         const Rows<scalar_t> dv(p.dv, seq);
-        std::vector<acc_t> grad_row(Mg);
         prod.template run<true>(
             seq.length,
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) {
                 load_row(k[t0 + r], p.E, acc_t(1), prod.a_row(r));
                 load_row(q[t0 + r], p.E, scale, prod.b_row(r));
-                load_grad(t0 + r, grad_row.data(), false);
-                std::copy(grad_row.data() + c0, grad_row.data() + c0 + cw, prod.c_row(r));
+                load_row(dout[t0 + r] + c0, cw, inv_den(t0 + r), prod.c_row(r));  // g's columns only
               }
             },
             [&](int64_t t0, int64_t n) {
               for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dv[t0 + r] + c0);
             });
-        if (p.grad_initial_kv != nullptr) {  // dS0 = dS1 + sum_t q'[t] g[t]^T: the final state
-          acc_t* dkv0 = static_cast<acc_t*>(p.grad_initial_kv) + kv_offset;
+        if (acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, p.E * M)) {
+          // dS0 = dS1 + sum_t q'[t] g[t]^T: the final state
           for (int64_t e = 0; e < p.E; ++e) std::copy(prod.state_row(e), prod.state_row(e) + cw, dkv0 + e * M + c0);
         }
       }
