@@ -169,6 +169,45 @@ at::Tensor checked_cu_seqlens(const at::Tensor& cu, const at::Tensor& q, int64_t
   return offsets;
 }
 
+// The sequences of a call (the batch entries, or cu_seqlens) and its initial state, checked: the
+// forward and the backward take them alike.
+struct Sequences {
+  at::Tensor offsets;  // cu_seqlens as int64 on the CPU, or undefined
+  int64_t count = 0;   // N: the state's first dimension
+  StateShapes shapes;
+  at::Tensor kv0, k_sum0;  // the initial state, contiguous, or undefined
+
+  // A state-shaped argument, checked and made contiguous.
+  at::Tensor state(const at::Tensor& t, const char* name, bool kv, const at::Tensor& q) const {
+    return checked_state(t, name, kv ? shapes.kv : shapes.k_sum, q, offsets.defined());
+  }
+
+  void fill(ForwardParams& p) const {
+    if (offsets.defined()) {
+      p.cu_seqlens = offsets.data_ptr<int64_t>();
+      p.num_seqs = count;
+    }
+    if (kv0.defined()) {
+      p.initial_kv = kv0.data_ptr();
+      p.initial_k_sum = k_sum0.data_ptr();
+    }
+  }
+};
+
+Sequences checked_sequences(const at::Tensor& q, const at::Tensor& qb, const at::Tensor& vb,
+                            const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& initial_kv,
+                            const c10::optional<at::Tensor>& initial_k_sum) {
+  Sequences s;
+  if (cu_seqlens.has_value()) s.offsets = checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2));
+  s.count = s.offsets.defined() ? s.offsets.size(0) - 1 : qb.size(0);
+  s.shapes = state_shapes(qb, vb, s.count);
+  if (initial_kv.has_value()) {
+    s.kv0 = s.state(*initial_kv, "initial_state.kv", true, q);
+    s.k_sum0 = s.state(*initial_k_sum, "initial_state.k_sum", false, q);
+  }
+  return s;
+}
+
 // kv and k_sum of a state come together or not at all.
 void check_state_pair(const c10::optional<at::Tensor>& kv, const c10::optional<at::Tensor>& k_sum,
                       const char* what) {
@@ -200,20 +239,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
-  const at::Tensor offsets =
-      cu_seqlens.has_value() ? checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2)) : at::Tensor();
-  const int64_t num_seqs = offsets.defined() ? offsets.size(0) - 1 : qb.size(0);
-  const StateShapes shapes = state_shapes(qb, vb, num_seqs);
-  at::Tensor kv0, k_sum0;
-  if (initial_kv.has_value()) {
-    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q, offsets.defined());
-    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q, offsets.defined());
-  }
+  const Sequences seqs = checked_sequences(q, qb, vb, cu_seqlens, initial_kv, initial_k_sum);
   const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor ob = empty_bhld(vb, vb.size(3), layout);
   const at::Tensor den = empty_if(normalize, qb.sizes().slice(0, 3), acc);
-  const at::Tensor kv1 = empty_if(return_final_state, shapes.kv, acc);
-  const at::Tensor k_sum1 = empty_if(return_final_state, shapes.k_sum, acc);
+  const at::Tensor kv1 = empty_if(return_final_state, seqs.shapes.kv, acc);
+  const at::Tensor k_sum1 = empty_if(return_final_state, seqs.shapes.k_sum, acc);
   if (ob.numel() > 0 || kv1.numel() > 0) {
     ForwardParams p;
     fill_problem(p, qb, vb, scale, normalize, eps);
@@ -222,14 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
     p.v = strided(vb);
     p.o = strided(ob);
     p.den = normalize ? den.data_ptr() : nullptr;
-    if (offsets.defined()) {
-      p.cu_seqlens = offsets.data_ptr<int64_t>();
-      p.num_seqs = num_seqs;
-    }
-    if (kv0.defined()) {
-      p.initial_kv = kv0.data_ptr();
-      p.initial_k_sum = k_sum0.data_ptr();
-    }
+    seqs.fill(p);
     if (return_final_state) {
       p.final_kv = kv1.data_ptr();
       p.final_k_sum = k_sum1.data_ptr();
@@ -261,9 +285,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
     TORCH_CHECK(out->sizes() == v.sizes(), "fast_causal_attn: out must have the shape ", v.sizes(), ", got ",
                 out->sizes());
     check_dtype_and_device(*out, "out", q);
-    const at::Tensor qb = as_bhld(q, layout);
-    TORCH_CHECK(den->dim() == 3 && den->sizes() == qb.sizes().slice(0, 3), "fast_causal_attn: den must have shape ",
-                "[B, H, L] = ", qb.sizes().slice(0, 3), ", got ", den->sizes());
+    const auto bhl = as_bhld(q, layout).sizes().slice(0, 3);
+    TORCH_CHECK(den->sizes() == bhl, "fast_causal_attn: den must have shape [B, H, L] = ", bhl, ", got ",
+                den->sizes());
     TORCH_CHECK(den->scalar_type() == accumulation_dtype(q.scalar_type()) && den->device() == q.device(),
                 "fast_causal_attn: den must be ", accumulation_dtype(q.scalar_type()), " on ", q.device(),
                 ", got ", den->scalar_type(), " on ", den->device());
@@ -273,26 +297,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
-  const at::Tensor offsets =
-      cu_seqlens.has_value() ? checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2)) : at::Tensor();
-  const int64_t num_seqs = offsets.defined() ? offsets.size(0) - 1 : qb.size(0);
-  const StateShapes shapes = state_shapes(qb, vb, num_seqs);
-  at::Tensor kv0, k_sum0, dkv1, dk_sum1;
-  if (initial_kv.has_value()) {
-    kv0 = checked_state(*initial_kv, "initial_state.kv", shapes.kv, q, offsets.defined());
-    k_sum0 = checked_state(*initial_k_sum, "initial_state.k_sum", shapes.k_sum, q, offsets.defined());
-  }
+  const Sequences seqs = checked_sequences(q, qb, vb, cu_seqlens, initial_kv, initial_k_sum);
+  at::Tensor dkv1, dk_sum1;
   if (grad_final_kv.has_value()) {
-    dkv1 = checked_state(*grad_final_kv, "grad_final_kv", shapes.kv, q, offsets.defined());
-    dk_sum1 = checked_state(*grad_final_k_sum, "grad_final_k_sum", shapes.k_sum, q, offsets.defined());
+    dkv1 = seqs.state(*grad_final_kv, "grad_final_kv", true, q);
+    dk_sum1 = seqs.state(*grad_final_k_sum, "grad_final_k_sum", false, q);
   }
   const auto acc = q.options().dtype(accumulation_dtype(q.scalar_type()));
   const at::Tensor dqb = empty_bhld(qb, qb.size(3), layout);
   const at::Tensor dkb = empty_bhld(kb, kb.size(3), layout);
   const at::Tensor dvb = empty_bhld(vb, vb.size(3), layout);
-  const bool initial = kv0.defined();
-  const at::Tensor dkv0 = empty_if(initial, shapes.kv, acc);
-  const at::Tensor dk_sum0 = empty_if(initial, shapes.k_sum, acc);
+  const bool initial = seqs.kv0.defined();
+  const at::Tensor dkv0 = empty_if(initial, seqs.shapes.kv, acc);
+  const at::Tensor dk_sum0 = empty_if(initial, seqs.shapes.k_sum, acc);
   if (dqb.numel() > 0 || dkv0.numel() > 0) {
     const at::Tensor dob = with_contiguous_rows(as_bhld(grad_out, layout));
     at::Tensor ob, denc;
@@ -311,13 +328,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
       p.o = strided(ob);
       p.den = denc.data_ptr();
     }
-    if (offsets.defined()) {
-      p.cu_seqlens = offsets.data_ptr<int64_t>();
-      p.num_seqs = num_seqs;
-    }
+    seqs.fill(p);
     if (initial) {
-      p.initial_kv = kv0.data_ptr();
-      p.initial_k_sum = k_sum0.data_ptr();
       p.grad_initial_kv = dkv0.data_ptr();
       p.grad_initial_k_sum = dk_sum0.data_ptr();
     }
