@@ -7,6 +7,17 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not ava
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
+def cases(*marks):
+    """One decorator for a stack of parametrize marks, outermost first, shared by several tests."""
+
+    def apply(test):
+        for mark in reversed(marks):
+            test = mark(test)
+        return test
+
+    return apply
+
+
 @pytest.fixture
 def nan_filled_outputs():
     """Every torch.empty, ours included, comes back filled with NaN: an output element the kernel

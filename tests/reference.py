@@ -5,6 +5,8 @@ the yardstick for 16-bit tolerances.
 """
 import torch
 
+import fast_causal_attn
+
 
 def reference(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, layout="bhld", dtype=torch.float64):
     """causal_linear_attention computed as mask(q' k^T) v in `dtype`, returned in `dtype`."""
@@ -70,6 +72,11 @@ def relative_error(x, ref, magnitude=0.0):
     return diff / denom
 
 
+def time_dim(layout):
+    """The dimension of L: 2 in [B, H, L, D], 1 in [B, L, H, D]."""
+    return 1 if layout == "blhd" else 2
+
+
 def make_inputs(B, H, L, E, M, *, dtype, device, layout="bhld", normalize=False, generator=None):
     """Fresh random q, k, v: N(0, 1/E) q and k and N(0, 1) v; with normalize, q and k are made
     non-negative (a positive feature map's output), as the normalizer expects."""
@@ -80,3 +87,12 @@ def make_inputs(B, H, L, E, M, *, dtype, device, layout="bhld", normalize=False,
     if normalize:
         q, k = q.abs(), k.abs()
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v))
+
+
+def make_state(B, H, E, M, dtype, normalize):
+    """A random initial State for inputs of `dtype` (float32 state, float64 for float64); with
+    normalize, k_sum is non-negative like a sum of non-negative keys."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    kv = torch.randn(B, H, E, M, dtype=acc)
+    k_sum = torch.rand(B, H, E, dtype=acc) * 3  # a sum of non-negative keys, as normalize expects
+    return fast_causal_attn.State(kv, k_sum if normalize else k_sum - 1.5)

@@ -7,7 +7,7 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICES
-from reference import gradient_magnitudes, make_inputs, reference, reference_with_grads, relative_error
+from reference import gradient_magnitudes, make_inputs, reference, reference_with_grads, relative_error, time_dim
 
 # (B, H, L, E, M)
 SHAPES = [
@@ -85,7 +85,7 @@ def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
     """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
     contiguous, the one case that is copied); v: every other timestep of a longer buffer."""
     q0, k0, v0 = make_inputs(B, H, 2 * L, E + 5, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
-    t_dim = 1 if layout == "blhd" else 2
+    t_dim = time_dim(layout)
     q = q0.narrow(t_dim, 0, L)[..., 3 : 3 + E]
     k = k0.narrow(t_dim, 1, L)[..., :E].transpose(-1, -2).contiguous().transpose(-1, -2)
     v = v0.narrow(t_dim, 0, 2 * L).unfold(t_dim, 1, 2).squeeze(-1)

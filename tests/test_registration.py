@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import DEVICES
-from reference import make_inputs
+from conftest import DEVICES, cases
+from reference import make_inputs, make_state
 
 ops = torch.ops.fast_causal_attn
 
@@ -13,38 +13,38 @@ def op_inputs(device, layout, normalize, dtype=torch.float32):
     return make_inputs(2, 3, 70, 8, 6, dtype=dtype, device=device, layout=layout, normalize=normalize)
 
 
+# Every (layout, normalize, with_state, device) the opcheck tests run.
+op_cases = cases(
+    pytest.mark.parametrize("device", DEVICES),
+    pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"]),
+    pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"]),
+    pytest.mark.parametrize("layout", ["bhld", "blhd"]),
+)
+
+
+def op_case(layout, normalize, with_state, device):
+    """q, k, v and an initial state (or Nones) for one case."""
+    if with_state and device != "cpu":
+        pytest.skip("initial and final states run on the CPU only for now")
+    q, k, v = op_inputs(device, layout, normalize)
+    if not with_state:
+        return q, k, v, None, None
+    B, H = q.shape[0], (q.shape[2] if layout == "blhd" else q.shape[1])
+    return (q, k, v, *make_state(B, H, q.shape[-1], v.shape[-1], q.dtype, normalize))
+
+
 # The ops carry no autograd kernel of their own: gradients come from the autograd.Function that
 # the public API goes through (tested by gradcheck), so opcheck runs them on inputs that do not
 # require grad and its autograd-registration check has nothing to flag.
-def state_inputs(q, v, layout, with_state):
-    """An initial state (or Nones) for op_inputs' q and v."""
-    if not with_state:
-        return None, None
-    B, H = q.shape[0], (q.shape[2] if layout == "blhd" else q.shape[1])
-    return torch.randn(B, H, q.shape[-1], v.shape[-1], device=q.device), torch.rand(B, H, q.shape[-1], device=q.device)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@op_cases
 def test_opcheck_forward(layout, normalize, with_state, device):
-    if with_state and device != "cpu":
-        pytest.skip("initial and final states run on the CPU only for now")
-    q, k, v = op_inputs(device, layout, normalize)
-    kv0, k_sum0 = state_inputs(q, v, layout, with_state)
+    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device)
     torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state))
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@op_cases
 def test_opcheck_backward(layout, normalize, with_state, device):
-    if with_state and device != "cpu":
-        pytest.skip("initial and final states run on the CPU only for now")
-    q, k, v = op_inputs(device, layout, normalize)
-    kv0, k_sum0 = state_inputs(q, v, layout, with_state)
+    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device)
     out, den, kv1, k_sum1 = ops.forward(q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state)
     grad_out = torch.randn_like(out)
     grad_final = (torch.randn_like(kv1), torch.randn_like(k_sum1)) if with_state else (None, None)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import CUDA
-from reference import make_inputs, reference_with_state, relative_error
+from conftest import CUDA, cases
+from reference import make_inputs, make_state, reference_with_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
@@ -16,24 +16,23 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def random_state(B, H, E, M, dtype, normalize):
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    kv = torch.randn(B, H, E, M, dtype=acc)
-    k_sum = torch.rand(B, H, E, dtype=acc) * 3  # a sum of non-negative keys, as normalize expects
-    return fast_causal_attn.State(kv, k_sum if normalize else k_sum - 1.5)
-
-
 def time_slice(x, layout, start, stop):
-    return x[:, start:stop] if layout == "blhd" else x[:, :, start:stop]
+    return x.narrow(time_dim(layout), start, stop - start)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+# Every dtype, normalize setting and layout.
+state_cases = cases(
+    pytest.mark.parametrize("dtype", DTYPES, ids=str),
+    pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"]),
+    pytest.mark.parametrize("layout", ["bhld", "blhd"]),
+)
+
+
+@state_cases
 def test_state_matches_reference(layout, normalize, dtype):
     B, H, L, E, M = 2, 3, 100, 17, 24
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
-    state0 = random_state(B, H, E, M, dtype, normalize)
+    state0 = make_state(B, H, E, M, dtype, normalize)
     out, state1 = fast_causal_attn.causal_linear_attention(
         q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
     assert state1.kv.dtype == state0.kv.dtype and state1.kv.shape == (B, H, E, M) and state1.k_sum.shape == (B, H, E)
@@ -45,13 +44,11 @@ def test_state_matches_reference(layout, normalize, dtype):
     assert relative_error(state1.k_sum, ref_k_sum) <= state_tolerance
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@state_cases
 def test_pieces_equal_whole(layout, normalize, dtype):
     B, H, L, E, M = 2, 2, 150, 8, 12
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
-    state0 = random_state(B, H, E, M, dtype, normalize)
+    state0 = make_state(B, H, E, M, dtype, normalize)
     splits = sorted(torch.randperm(L - 1)[:3].add(1).tolist())
     w_out = torch.randn(v.shape, dtype=torch.float64)
     w_kv, w_k_sum = torch.randn(B, H, E, M, dtype=torch.float64), torch.randn(B, H, E, dtype=torch.float64)
@@ -66,7 +63,7 @@ def test_pieces_equal_whole(layout, normalize, dtype):
                 *(time_slice(x, layout, start, stop) for x in (q_, k_, v_)), initial_state=state,
                 return_final_state=True, **kw)
             outs.append(out)
-        out = torch.cat(outs, dim=1 if layout == "blhd" else 2)
+        out = torch.cat(outs, dim=time_dim(layout))
         loss = (out.double() * w_out).sum() + (state.kv.double() * w_kv).sum() + (state.k_sum.double() * w_k_sum).sum()
         loss.backward()
         return [out, state.kv, state.k_sum] + [x.grad for x in leaves]
@@ -87,7 +84,7 @@ def test_gradcheck_with_state(layout, normalize):
     q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device="cpu", layout=layout, normalize=normalize)
     if normalize:
         q, k = q + 0.1, k + 0.1
-    kv0, k_sum0 = random_state(B, H, E, M, torch.float64, normalize)
+    kv0, k_sum0 = make_state(B, H, E, M, torch.float64, normalize)
     inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
 
     def f(q, k, v, kv0, k_sum0):
@@ -102,7 +99,7 @@ def test_gradcheck_with_state(layout, normalize):
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 def test_empty_sequence_passes_state_through(normalize):
     q, k, v = make_inputs(2, 3, 0, 4, 5, dtype=torch.float32, device="cpu")
-    kv0, k_sum0 = (x.requires_grad_() for x in random_state(2, 3, 4, 5, torch.float32, normalize))
+    kv0, k_sum0 = (x.requires_grad_() for x in make_state(2, 3, 4, 5, torch.float32, normalize))
     out, state = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=(kv0, k_sum0),
                                                           return_final_state=True)
     assert out.shape == (2, 3, 0, 5)
@@ -122,7 +119,7 @@ def test_final_state_without_initial_state():
 
 def good_state_case():
     q, k, v = make_inputs(2, 3, 10, 4, 5, dtype=torch.float32, device="cpu")
-    return (q, k, v), random_state(2, 3, 4, 5, torch.float32, True)
+    return (q, k, v), make_state(2, 3, 4, 5, torch.float32, True)
 
 
 @pytest.mark.parametrize(
@@ -154,7 +151,7 @@ def test_state_on_cuda_says_not_yet():
 def test_state_under_torch_compile():
     torch._dynamo.reset()
     q, k, v = make_inputs(1, 2, 40, 4, 6, dtype=torch.float32, device="cpu", normalize=True)
-    kv0, k_sum0 = random_state(1, 2, 4, 6, torch.float32, True)
+    kv0, k_sum0 = make_state(1, 2, 4, 6, torch.float32, True)
 
     def step(q, k, v, kv0, k_sum0):
         out, state = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, initial_state=(kv0, k_sum0),

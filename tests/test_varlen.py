@@ -4,17 +4,12 @@ import pytest
 import torch
 
 import fast_causal_attn
-from reference import make_inputs, relative_error
-from test_state import random_state
+from reference import make_inputs, make_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
 LENGTHS = [5, 0, 64, 1, 33]  # an empty sequence and one of a single step on purpose
-
-
-def time_dim(layout):
-    return 1 if layout == "blhd" else 2
 
 
 def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7):
@@ -30,7 +25,7 @@ def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7):
 def test_packed_equals_each_sequence_alone(layout, normalize, dtype):
     q, k, v, cu = packed_case(layout, normalize, dtype)
     N, H, E, M = len(LENGTHS), 2, 6, 7
-    state0 = random_state(N, H, E, M, dtype, normalize)
+    state0 = make_state(N, H, E, M, dtype, normalize)
     kw = dict(scale=0.8, normalize=normalize, layout=layout)
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, *state0)]
@@ -92,6 +87,6 @@ def test_cu_seqlens_needs_batch_one():
 
 def test_states_must_have_one_row_per_sequence():
     q, k, v, cu = packed_case("bhld", True, torch.float32)
-    state = random_state(len(LENGTHS) - 1, 2, 6, 7, torch.float32, True)
+    state = make_state(len(LENGTHS) - 1, 2, 6, 7, torch.float32, True)
     with pytest.raises(RuntimeError, match=r"initial_state.kv must have shape \[5, 2, 6, 7\] \(\[N, H, E, M\]\), got \[4, 2, 6, 7\]"):
         fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, initial_state=state, cu_seqlens=cu)
