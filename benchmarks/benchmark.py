@@ -95,6 +95,8 @@ def main():
                         help="semicolon-separated B,H,L,E,M shapes instead of the device's list, e.g. '2,4,8192,64,64'")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers even when present")
+    parser.add_argument("--families", action="store_true",
+                        help="on CUDA, also time each kernel family forced (FAST_CAUSAL_ATTN_KERNEL)")
     args = parser.parse_args()
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,6 +116,11 @@ def main():
         "fast_causal_attn": fast_causal_attn.causal_dot_product,
         "torch chunked (C=64)": baselines.torch_chunked,
     }
+    families = {}  # method name -> FAST_CAUSAL_ATTN_KERNEL while it is timed
+    if args.families and device == "cuda":
+        for family in ("recurrent", "chunked"):
+            methods[f"fca {family}"] = fast_causal_attn.causal_dot_product
+            families[f"fca {family}"] = family
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
 
     rows = []
@@ -132,7 +139,12 @@ def main():
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             for name, fn in cases.items():
-                fwd, fwd_bwd = timings(fn, q, k, v, dout, device, reps)
+                if name in families:
+                    os.environ["FAST_CAUSAL_ATTN_KERNEL"] = families[name]
+                try:
+                    fwd, fwd_bwd = timings(fn, q, k, v, dout, device, reps)
+                finally:
+                    os.environ.pop("FAST_CAUSAL_ATTN_KERNEL", None)
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "

@@ -5,6 +5,24 @@ import torch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+# (device, CUDA kernel family): the default dispatch on each device, and the chunked family
+# forced on CUDA (FAST_CAUSAL_ATTN_KERNEL), so that both families meet the whole grid.
+DEVICE_KERNELS = [
+    pytest.param("cpu", None, id="cpu"),
+    pytest.param("cuda", None, id="cuda", marks=CUDA),
+    pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
+]
+
+
+@pytest.fixture
+def use_kernel(monkeypatch):
+    """use_kernel(family) forces a CUDA kernel family for the rest of the test (None: default)."""
+
+    def use(family):
+        if family is not None:
+            monkeypatch.setenv("FAST_CAUSAL_ATTN_KERNEL", family)
+
+    return use
 
 
 def cases(*marks):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import DEVICES
+from conftest import DEVICE_KERNELS, DEVICES
 from reference import gradient_magnitudes, make_inputs, reference, reference_with_grads, relative_error, time_dim
 
 # (B, H, L, E, M)
@@ -70,12 +70,13 @@ def check_against_reference(q, k, v, *, scale, normalize, layout, eps=1e-6):
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
-def test_matches_reference(shape, layout, normalize, dtype, device):
+def test_matches_reference(shape, layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, normalize, dtype)).encode()))
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, layout=layout, normalize=normalize, generator=gen)
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)
@@ -94,11 +95,12 @@ def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_strided_inputs(layout, normalize, dtype, device):
+def test_strided_inputs(layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
     q, k, v = strided_inputs(2, 3, 70, 17, 24, dtype=dtype, device=device, layout=layout, normalize=normalize)
     check_against_reference(q, k, v, scale=1.3, normalize=normalize, layout=layout)
 
@@ -157,3 +159,13 @@ def test_future_does_not_leak(device):
     out2 = fast_causal_attn.causal_linear_attention(q, k2, v2)
     torch.testing.assert_close(out[:, :, :90], out2[:, :, :90], rtol=0, atol=0)
     assert not torch.equal(out[:, :, 90:], out2[:, :, 90:])
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+def test_unknown_kernel_family_is_an_error(device, monkeypatch):
+    """The family override names a family, or the call fails (an error raised from the CUDA code's
+    host side reaches Python as an exception)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_KERNEL", "tiled")
+    q, k, v = make_inputs(1, 1, 8, 4, 4, dtype=torch.float32, device=device)
+    with pytest.raises(RuntimeError, match="FAST_CAUSAL_ATTN_KERNEL must be 'recurrent' or 'chunked', got 'tiled'"):
+        fast_causal_attn.causal_linear_attention(q, k, v)

@@ -7,32 +7,25 @@
 #include <torch/library.h>
 
 #include "../ops.h"
-#include "causal_product.cuh"
+#include "dispatch.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
 
-// The low-occupancy threshold: a launch with fewer threads than kThreadsPerSM per multiprocessor
-// splits time into segments until it has that many (see choose_segments in causal_product.cuh).
-// Measured on the H200 (fp32 ms, fwd / fwd+bwd, one segment -> split): 2,4,8192,64 (16 blocks):
-// 2.76 / 11.1 -> 0.31 / 1.18; 4,16,8192,64 (128 blocks): 2.81 / 11.7 -> 1.59 / 6.6;
-// 1,16,32768,128: 13.0 / 53.4 -> 6.1 / 28.0; but 8,16,2048,128 (512 blocks of 256 threads, two
-// segments at 1024 threads per SM): 1.81 / 7.29 -> 2.40 / 10.9, so the bar sits at 512.
-constexpr int64_t kThreadsPerSM = 512;
-constexpr int64_t kMinTilesPerSegment = 4;
+int multiprocessor_count() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
 
-int64_t choose_segments(int64_t blocks, int threads, int64_t L) {
-  // FAST_CAUSAL_ATTN_SEGMENTS=N forces N segments (1: the tiled variant alone), for measuring.
+int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len) {
   if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_SEGMENTS")) {
     const int64_t n = std::atoll(forced);
     if (n >= 1) return n;
   }
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t target_blocks = sms * kThreadsPerSM / threads;
   if (blocks >= target_blocks) return 1;
-  const int64_t most = std::max<int64_t>(1, L / (kMinTilesPerSegment * kSteps));
+  const int64_t most = std::max<int64_t>(1, L / min_segment_len);
   return std::min((target_blocks + blocks - 1) / blocks, most);
 }
 

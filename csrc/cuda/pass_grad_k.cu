@@ -1,5 +1,5 @@
-// The grad k pass of the recurrent kernel family, every dtype and head-dim bucket.
-#include "causal_product.cuh"
+// The grad k pass of both kernel families, every dtype and head-dim bucket.
+#include "dispatch.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {

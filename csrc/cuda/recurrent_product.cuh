@@ -14,188 +14,70 @@
 // The passes differ only in what a, b and c are (see Operands below).
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
-#include <cuda_runtime.h>
-
-#include "../causal_attn.h"
+#include "kernel_common.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
 
-constexpr int kWarp = 32;
 constexpr int kSteps = 32;  // timesteps per tile; the normalizer's prefix sum maps them to lanes
-constexpr int kCols = 32;   // columns of c per block: one per lane
+constexpr int kCols = 32;   // columns of c per lane group: one per lane
 
-enum class Pass { Forward, GradQ, GradK, GradV };
-
-struct KernelParams : BackwardParams {
-  // -(dO[t] . O[t]) / den[t], made by backward_prepare_kernel when normalize.
-  void* grad_den = nullptr;  // [B, H, L] contiguous, accumulation dtype
-
-  // Head dims above the largest bucket split the state's rows into slabs, one block each; the
-  // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel
-  // writes the output. Unused (nullptr, 1 slab) otherwise.
-  int64_t slabs = 1;
-  void* slab_out = nullptr;  // [B, H, L, Dc] contiguous, accumulation dtype, zeroed
-  void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
-
-  // The low-occupancy variant splits time into segments, one block each: a first launch
-  // (state_only) sums each segment's state into seg_*, the second starts each segment from the
-  // sum of the segments before it (after it, in reverse). One segment: the tiled variant.
-  int64_t segments = 1;
-  int64_t segment_len = 0;      // timesteps per segment, a multiple of kSteps
-  bool state_only = false;
-  void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
-  void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
-  void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
-};
-
-// What a, b and c are in each pass, element by element (r indexes a and b, m indexes c), and
-// what becomes of the output:
-//
-//   forward  a = q' = scale q   b = k            c = v          out = a S [/ den]
-//   grad q   a = g              b = v            c = k          dq  = scale * out
-//   grad k   a = v              b = g            c = q'         dk  = out        (reverse)
-//   grad v   a = k              b = q'           c = g          dv  = out        (reverse)
-//
-// with g = dO / den under normalize (dO otherwise). Under normalize the gradients of q and k also
-// have an extra row, the 1 of [v, 1] against the -(g . O) of [g, -(g . O)]; forward normalize
-// adds the denominator q' . sum k (a column of ones in c).
-template <Pass P>
-struct PassTraits {
-  static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV;
-  static constexpr bool kMayHaveExtraRow = P == Pass::GradQ || P == Pass::GradK;
-  static constexpr bool kMayHaveDenominator = P == Pass::Forward;
-};
-
-template <Pass P, typename scalar_t, typename acc_t>
-struct Operands {
-  const scalar_t *q, *k, *v, *dout;  // this (batch, head)'s rows
-  int64_t q_l, k_l, v_l, dout_l;     // their timestep strides
-  scalar_t* out;                     // o, dq, dk or dv
-  int64_t out_l;
-  acc_t scale;
-  const acc_t* den;       // [L] in the gradients under normalize, else nullptr
-  const acc_t* grad_den;  // [L] in the gradients of q and k under normalize, else nullptr
-
-  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_)
-      : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, 0)),
-        k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0)),
-        v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, 0)),
-        dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, 0)),
-        q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
-        scale(acc_t(p.scale)), den(den_), grad_den(grad_den_) {
-    const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
-    out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, 0);
-    out_l = o.stride_l;
-  }
-
-  __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
-  __device__ acc_t grad(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]) * inv_den(s); }
-
-  __device__ acc_t a_at(int64_t s, int64_t r) const {
-    switch (P) {
-      case Pass::Forward: return scale * acc_t(q[s * q_l + r]);
-      case Pass::GradQ: return grad(s, r);
-      case Pass::GradK: return acc_t(v[s * v_l + r]);
-      case Pass::GradV: return acc_t(k[s * k_l + r]);
-    }
-    return acc_t(0);
-  }
-  __device__ acc_t b_at(int64_t s, int64_t r) const {
-    switch (P) {
-      case Pass::Forward: return acc_t(k[s * k_l + r]);
-      case Pass::GradQ: return acc_t(v[s * v_l + r]);
-      case Pass::GradK: return grad(s, r);
-      case Pass::GradV: return scale * acc_t(q[s * q_l + r]);
-    }
-    return acc_t(0);
-  }
-  __device__ acc_t c_at(int64_t s, int64_t m) const {
-    switch (P) {
-      case Pass::Forward: return acc_t(v[s * v_l + m]);
-      case Pass::GradQ: return acc_t(k[s * k_l + m]);
-      case Pass::GradK: return scale * acc_t(q[s * q_l + m]);
-      case Pass::GradV: return grad(s, m);
-    }
-    return acc_t(0);
-  }
-  // The extra row's a and b (normalize, gradients of q and k only).
-  __device__ acc_t extra_a(int64_t s) const { return P == Pass::GradQ ? grad_den[s] : acc_t(1); }
-  __device__ acc_t extra_b(int64_t s) const { return P == Pass::GradQ ? acc_t(1) : grad_den[s]; }
-
-  // denominator: the forward's normalizer at s (1 without normalize).
-  __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
-    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value : value;
-    out[s * out_l + m] = scalar_t(result);
-  }
-};
-
-// ROWS consecutive accumulation-type values from shared memory, 16 bytes at a time.
-template <int ROWS, typename acc_t>
-__device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) {
-  constexpr int kVec = 16 / sizeof(acc_t);
-  if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 4) {
-#pragma unroll
-    for (int i = 0; i < ROWS / 4; ++i) {
-      const float4 x = reinterpret_cast<const float4*>(src)[i];
-      dst[4 * i] = x.x, dst[4 * i + 1] = x.y, dst[4 * i + 2] = x.z, dst[4 * i + 3] = x.w;
-    }
-  } else if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 8) {
-#pragma unroll
-    for (int i = 0; i < ROWS / 2; ++i) {
-      const double2 x = reinterpret_cast<const double2*>(src)[i];
-      dst[2 * i] = x.x, dst[2 * i + 1] = x.y;
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < ROWS; ++i) dst[i] = src[i];
-  }
-}
+// The low-occupancy threshold: a launch with fewer threads than kThreadsPerSM per multiprocessor
+// splits time into segments until it has that many. Measured on the H200 (fp32 ms, fwd /
+// fwd+bwd, one segment -> split): 2,4,8192,64 (16 blocks): 2.76 / 11.1 -> 0.31 / 1.18;
+// 4,16,8192,64 (128 blocks): 2.81 / 11.7 -> 1.59 / 6.6; 1,16,32768,128: 13.0 / 53.4 -> 6.1 / 28.0;
+// but 8,16,2048,128 (512 blocks of 256 threads, two segments at 1024 threads per SM): 1.81 / 7.29
+// -> 2.40 / 10.9, so the bar sits at 512.
+constexpr int64_t kThreadsPerSM = 512;
+constexpr int64_t kMinTilesPerSegment = 4;
 
 // One tile of the recurrence for one thread: its ROWS rows of the state, one column of c. The
 // restrict-qualified pointers tell the compiler that the partial sums it stores never alias the
 // tiles it reads, so the loads of the next steps move ahead of the stores.
-template <int ROWS, int kRows, bool REVERSE, typename acc_t>
+// c and partial point at this thread's first column; its NC columns are kCols apart, in rows of
+// kCols * NC.
+template <int ROWS, int NC, int kRows, bool REVERSE, typename acc_t>
 __device__ __forceinline__ void recurrence_tile(const acc_t* __restrict__ a, const acc_t* __restrict__ b,
                                                 const acc_t* __restrict__ c, const acc_t* __restrict__ extra,
-                                                acc_t* __restrict__ partial, acc_t (&state)[ROWS],
-                                                acc_t& extra_state, bool extra_row, bool add_extra) {
+                                                acc_t* __restrict__ partial, acc_t (&state)[NC][ROWS],
+                                                acc_t (&extra_state)[NC], bool extra_row, bool add_extra) {
+  constexpr int kBlockCols = kCols * NC;
 #pragma unroll 4
   for (int j = 0; j < kSteps; ++j) {
     const int t = REVERSE ? kSteps - 1 - j : j;
-    const acc_t cv = c[t * kCols];
+    acc_t cv[NC];
+#pragma unroll
+    for (int n = 0; n < NC; ++n) cv[n] = c[t * kBlockCols + n * kCols];
     acc_t a_t[ROWS], b_t[ROWS];
     load_rows<ROWS>(a + t * kRows, a_t);
     load_rows<ROWS>(b + t * kRows, b_t);
-    acc_t sum0 = acc_t(0), sum1 = acc_t(0);
 #pragma unroll
-    for (int r = 0; r < ROWS; r += 2) {
-      state[r] += b_t[r] * cv;
-      sum0 += a_t[r] * state[r];
-      state[r + 1] += b_t[r + 1] * cv;
-      sum1 += a_t[r + 1] * state[r + 1];
+    for (int n = 0; n < NC; ++n) {
+      acc_t sum0 = acc_t(0), sum1 = acc_t(0);
+#pragma unroll
+      for (int r = 0; r < ROWS; r += 2) {
+        state[n][r] += b_t[r] * cv[n];
+        sum0 += a_t[r] * state[n][r];
+        state[n][r + 1] += b_t[r + 1] * cv[n];
+        sum1 += a_t[r + 1] * state[n][r + 1];
+      }
+      if (extra_row) {
+        extra_state[n] += extra[kSteps + t] * cv[n];
+        if (add_extra) sum0 += extra[t] * extra_state[n];
+      }
+      partial[t * kBlockCols + n * kCols] = sum0 + sum1;
     }
-    if (extra_row) {
-      extra_state += extra[kSteps + t] * cv;
-      if (add_extra) sum0 += extra[t] * extra_state;
-    }
-    partial[t * kCols] = sum0 + sum1;
   }
 }
 
 // Shared memory of one block, in accumulation-type elements: the a and b tiles, the partial sums
 // of the outputs, the c tile, the extra row, the normalizer's partial sums and the normalizer.
-template <int ROWS, int GROUPS>
+template <int ROWS, int GROUPS, int NC>
 struct SmemLayout {
   static constexpr int kRows = ROWS * GROUPS;
   static constexpr int kAB = 2 * kSteps * kRows;
-  static constexpr int kPartials = GROUPS * kSteps * kCols;
-  static constexpr int kC = kSteps * kCols;
+  static constexpr int kPartials = GROUPS * kSteps * kCols * NC;
+  static constexpr int kC = kSteps * kCols * NC;
   static constexpr int kExtra = 2 * kSteps;
   static constexpr int kDenPartials = GROUPS * kSteps;
   static constexpr int kDen = kSteps;
@@ -207,27 +89,30 @@ template <int GROUPS>
 constexpr int kMinBlocks = 65536 / (GROUPS * kWarp * 128);
 
 // grid.x = (((batch * heads) * column tiles + column tile) * slabs + slab) * segments + segment;
-// block = GROUPS warps. Slab i holds rows [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da
-// rows, segment j timesteps [j * segment_len, (j + 1) * segment_len).
-template <Pass P, typename scalar_t, int ROWS, int GROUPS>
+// block = GROUPS warps. A column tile is kCols * NC columns (NC per lane), slab i holds rows
+// [i * ROWS * GROUPS, (i + 1) * ROWS * GROUPS) of the Da rows, segment j timesteps
+// [j * segment_len, (j + 1) * segment_len).
+template <Pass P, typename scalar_t, int ROWS, int GROUPS, int NC>
 __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
-    causal_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+    recurrent_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using acc_t = at::opmath_type<scalar_t>;
   using Traits = PassTraits<P>;
-  using Smem = SmemLayout<ROWS, GROUPS>;
+  using Smem = SmemLayout<ROWS, GROUPS, NC>;
   constexpr int kRows = Smem::kRows;
+  constexpr int kBlockCols = kCols * NC;
   constexpr int kThreads = GROUPS * kWarp;
-  constexpr int kTileLoads = kSteps * kRows / kThreads;  // a and b elements each thread stages
-  constexpr int kColLoads = kSteps * kCols / kThreads;   // c elements each thread stages
+  constexpr int kTileLoads = kSteps * kRows / kThreads;     // a and b elements each thread stages
+  constexpr int kColLoads = kSteps * kBlockCols / kThreads;  // c elements each thread stages
   constexpr int kLoadBatch = 8;                           // loads in flight per thread while staging
-  static_assert(kSteps * kRows % kThreads == 0 && kSteps * kCols % kThreads == 0, "tile loads must divide evenly");
+  static_assert(kSteps * kRows % kThreads == 0 && kSteps * kBlockCols % kThreads == 0,
+                "tile loads must divide evenly");
   static_assert(ROWS % 4 == 0, "rows are read from shared memory 16 bytes at a time");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   acc_t* a_s = reinterpret_cast<acc_t*>(smem_raw);    // [kSteps][kRows]
   acc_t* b_s = a_s + kSteps * kRows;                  // [kSteps][kRows]
-  acc_t* partial_s = a_s + Smem::kAB;                 // [GROUPS][kSteps][kCols]
-  acc_t* c_s = partial_s + Smem::kPartials;           // [kSteps][kCols]
+  acc_t* partial_s = a_s + Smem::kAB;                 // [GROUPS][kSteps][kBlockCols]
+  acc_t* c_s = partial_s + Smem::kPartials;           // [kSteps][kBlockCols]
   acc_t* extra_s = c_s + Smem::kC;                    // [2][kSteps]: extra row's a, then b
   acc_t* den_partial_s = extra_s + Smem::kExtra;      // [GROUPS][kSteps]
   acc_t* den_s = den_partial_s + Smem::kDenPartials;  // [kSteps]
@@ -241,8 +126,8 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
   const int64_t b = pair / p.H, h = pair % p.H;
   const int64_t row_base = slab * kRows;
-  const int64_t m0 = col_tile * kCols;
-  const int cols = int(Dc - m0 < kCols ? Dc - m0 : kCols);
+  const int64_t m0 = col_tile * kBlockCols;
+  const int cols = int(Dc - m0 < kBlockCols ? Dc - m0 : kBlockCols);
   const int64_t L = p.L;
   const bool split_rows = p.slabs > 1;
   const bool state_only = p.state_only;
@@ -255,16 +140,22 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
   const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den);
 
-  // This thread's rows of the state (its lane's column), of the sum of b (the normalizer's
-  // state) and, under an extra row, sum_s extra_b[s] c[s][lane].
-  acc_t state[ROWS], key_sum[ROWS];
-  acc_t extra_state = acc_t(0);
+  // This thread's rows of the state (in its NC columns: lane, lane + 32, ...), of the sum of b
+  // (the normalizer's state) and, under an extra row, sum_s extra_b[s] c[s][column].
+  acc_t state[NC][ROWS], key_sum[ROWS], extra_state[NC];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) state[r] = key_sum[r] = acc_t(0);
+  for (int r = 0; r < ROWS; ++r) key_sum[r] = acc_t(0);
+#pragma unroll
+  for (int n = 0; n < NC; ++n) {
+    extra_state[n] = acc_t(0);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) state[n][r] = acc_t(0);
+  }
 
   // Segment states: index of (segment j, global row, column) in the workspace.
-  const int64_t col = m0 + lane;
-  auto seg_index = [&](int64_t j, int64_t row) { return ((pair * p.segments + j) * Da + row) * Dc + col; };
+  auto seg_index = [&](int64_t j, int64_t row, int n) {
+    return ((pair * p.segments + j) * Da + row) * Dc + m0 + lane + n * kCols;
+  };
   if (p.segments > 1 && !state_only) {  // start from the segments before this one (after, in reverse)
     const int64_t first = Traits::kReverse ? segment + 1 : 0;
     const int64_t last = Traits::kReverse ? p.segments : segment;
@@ -273,10 +164,18 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         const int64_t row = row_base + row0 + r;
-        if (row < Da && lane < cols) state[r] += seg_state[seg_index(j, row)];
+#pragma unroll
+        for (int n = 0; n < NC; ++n) {
+          if (row < Da && lane + n * kCols < cols) state[n][r] += seg_state[seg_index(j, row, n)];
+        }
         if (denominator && row < Da) key_sum[r] += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + j) * Da + row];
       }
-      if (extra_row && lane < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + col];
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        if (extra_row && lane + n * kCols < cols) {
+          extra_state[n] += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + m0 + lane + n * kCols];
+        }
+      }
     }
   }
 
@@ -312,7 +211,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
       acc_t c_r[kLoadBatch];
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
-        const int i = tid + (k0 + kk) * kThreads, t = i / kCols, m = i % kCols;
+        const int i = tid + (k0 + kk) * kThreads, t = i / kBlockCols, m = i % kBlockCols;
         c_r[kk] = (k0 + kk < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
       }
 #pragma unroll
@@ -347,24 +246,28 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     if (state_only) {  // the segment's sum of b c^T (and of b, and of extra_b c) only
 #pragma unroll 4
       for (int t = 0; t < kSteps; ++t) {
-        const acc_t cv = c_s[t * kCols + lane];
         acc_t b_t[ROWS];
         load_rows<ROWS>(b_s + t * kRows + row0, b_t);
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          state[r] += b_t[r] * cv;
-          if (denominator) key_sum[r] += b_t[r];
+        for (int n = 0; n < NC; ++n) {
+          const acc_t cv = c_s[t * kBlockCols + n * kCols + lane];
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) state[n][r] += b_t[r] * cv;
+          if (extra_row) extra_state[n] += extra_s[kSteps + t] * cv;
         }
-        if (extra_row) extra_state += extra_s[kSteps + t] * cv;
+        if (denominator) {
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) key_sum[r] += b_t[r];
+        }
       }
       __syncthreads();  // the next tile overwrites shared memory
       continue;
     }
 
     // The recurrence: this thread's rows of the state, its lane's column.
-    recurrence_tile<ROWS, kRows, Traits::kReverse>(a_s + row0, b_s + row0, c_s + lane, extra_s,
-                                                  partial_s + group * kSteps * kCols + lane, state, extra_state,
-                                                  extra_row, extra_row && group == 0);
+    recurrence_tile<ROWS, NC, kRows, Traits::kReverse>(a_s + row0, b_s + row0, c_s + lane, extra_s,
+                                                      partial_s + group * kSteps * kBlockCols + lane, state,
+                                                      extra_state, extra_row, extra_row && group == 0);
     __syncthreads();
 
     if (denominator && tid < kSteps) {
@@ -384,11 +287,11 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
 
 #pragma unroll
     for (int k = 0; k < kColLoads; ++k) {
-      const int i = tid + k * kThreads, t = i / kCols, m = i % kCols;
+      const int i = tid + k * kThreads, t = i / kBlockCols, m = i % kBlockCols;
       if (t < n && m < cols) {
         acc_t sum = acc_t(0);
 #pragma unroll
-        for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kSteps + t) * kCols + m];
+        for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kSteps + t) * kBlockCols + m];
         if (split_rows) {
           atomicAdd(static_cast<acc_t*>(p.slab_out) + (pair * L + t0 + t) * Dc + m0 + m, sum);
         } else {
@@ -404,13 +307,19 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       const int64_t row = row_base + row0 + r;
-      if (row < Da && lane < cols) seg_state[seg_index(segment, row)] = state[r];
+#pragma unroll
+      for (int n = 0; n < NC; ++n) {
+        if (row < Da && lane + n * kCols < cols) seg_state[seg_index(segment, row, n)] = state[n][r];
+      }
       if (denominator && row < Da && lane == 0 && col_tile == 0) {
         static_cast<acc_t*>(p.seg_key_sum)[(pair * p.segments + segment) * Da + row] = key_sum[r];
       }
     }
-    if (extra_row && lane < cols && group == 0) {
-      static_cast<acc_t*>(p.seg_extra)[(pair * p.segments + segment) * Dc + col] = extra_state;
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+      if (extra_row && lane + n * kCols < cols && group == 0) {
+        static_cast<acc_t*>(p.seg_extra)[(pair * p.segments + segment) * Dc + m0 + lane + n * kCols] = extra_state[n];
+      }
     }
   }
 }
@@ -433,14 +342,8 @@ __global__ void finish_slabs_kernel(const KernelParams p, int64_t Dc) {
   ops.store(s, m, static_cast<const acc_t*>(p.slab_out)[i], denominator);
 }
 
-// How many time segments (blocks along time) a launch of `blocks` blocks of `threads` threads
-// gets: enough to give every multiprocessor kBlocksPerSM blocks' worth of threads, while each
-// segment keeps at least kMinTilesPerSegment tiles (below that the extra state pass and the
-// prefix sums cost more than the parallelism gains).
-int64_t choose_segments(int64_t blocks, int threads, int64_t L);
-
-template <Pass P, typename scalar_t, int ROWS, int GROUPS>
-void launch_causal_product(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+template <Pass P, typename scalar_t, int ROWS, int GROUPS, int NC = 1>
+void launch_recurrent(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using acc_t = at::opmath_type<scalar_t>;
   constexpr int kThreads = GROUPS * kWarp;
   const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
@@ -456,24 +359,15 @@ void launch_causal_product(const KernelParams& params, int64_t Da, int64_t Dc, c
     p.slab_den = slab_den.data_ptr();
   }
 
-  const int64_t col_tiles = (Dc + kCols - 1) / kCols;
-  p.segments = choose_segments(pairs * col_tiles * p.slabs, kThreads, p.L);
-  p.segment_len = ((p.L + p.segments - 1) / p.segments + kSteps - 1) / kSteps * kSteps;
-  p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
-  at::Tensor seg_state, seg_key_sum, seg_extra;
-  if (p.segments > 1) {
-    seg_state = at::empty({pairs * p.segments * Da * Dc}, options);
-    seg_key_sum = at::empty({P == Pass::Forward && p.normalize ? pairs * p.segments * Da : 0}, options);
-    seg_extra = at::empty({P != Pass::Forward && p.normalize ? pairs * p.segments * Dc : 0}, options);
-    p.seg_state = seg_state.data_ptr();
-    p.seg_key_sum = seg_key_sum.data_ptr();
-    p.seg_extra = seg_extra.data_ptr();
-  }
+  const int64_t col_tiles = (Dc + kCols * NC - 1) / (kCols * NC);
+  const int64_t segments = choose_segments(pairs * col_tiles * p.slabs, multiprocessor_count() * kThreadsPerSM / kThreads,
+                                           p.L, kMinTilesPerSegment * kSteps);
+  const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, kSteps, Da, Dc);
 
   const int64_t blocks = pairs * col_tiles * p.slabs * p.segments;
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
-  const size_t smem = SmemLayout<ROWS, GROUPS>::kElements * sizeof(acc_t);
-  auto kernel = causal_product_kernel<P, scalar_t, ROWS, GROUPS>;
+  const size_t smem = SmemLayout<ROWS, GROUPS, NC>::kElements * sizeof(acc_t);
+  auto kernel = recurrent_product_kernel<P, scalar_t, ROWS, GROUPS, NC>;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
@@ -498,38 +392,30 @@ void launch_causal_product(const KernelParams& params, int64_t Da, int64_t Dc, c
 
 // The head-dim bucket: the state's Da rows over GROUPS warps of ROWS rows.
 template <Pass P, typename scalar_t>
-void run_pass(const KernelParams& p, cudaStream_t stream) {
-  const bool a_is_e = P == Pass::Forward || P == Pass::GradV;
-  const int64_t Da = a_is_e ? p.E : p.M;
-  const int64_t Dc = a_is_e ? p.M : p.E;
+void run_recurrent(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  // Two columns a lane (when Dc > 32) feed each shared-memory read of a and b to twice the FMAs:
+  // H200 fp32 fwd / fwd+bwd ms, one -> two columns: 8,16,2048,128: 1.49 / 6.91 -> 1.09 / 4.82;
+  // 1,16,32768,128: 6.36 / 29.0 -> 5.28 / 23.7; 4,16,8192,64: 1.58 / 7.25 -> 1.40 / 6.35. Not with
+  // double accumulation: its partial sums would pass the 227 KB of shared memory a block can have.
+  constexpr int kColsPerLane = sizeof(at::opmath_type<scalar_t>) == 4 ? 2 : 1;
   // 8 rows a thread beat 16 at every benchmark shape with E = 64 and 128 (H200, fp32, fwd+bwd ms,
   // 16 -> 8 rows: 8,16,2048,64: 3.54 -> 2.86; 4,16,8192,64: 7.88 -> 7.25; 8,16,2048,128: 7.13 ->
   // 6.91; 2,4,8192,64: 0.82 -> 0.76; 1,16,32768,128: 32.5 -> 29.0): ncu showed the 16-row kernel
   // stalled on shared-memory loads half the time at 25% occupancy; more, shorter rows hide it.
   if (Da <= 32) {
-    launch_causal_product<P, scalar_t, 8, 4>(p, Da, Dc, stream);
+    launch_recurrent<P, scalar_t, 8, 4>(p, Da, Dc, stream);
   } else if (Da <= 48) {
-    launch_causal_product<P, scalar_t, 12, 4>(p, Da, Dc, stream);
+    launch_recurrent<P, scalar_t, 12, 4>(p, Da, Dc, stream);
   } else if (Da <= 64) {
-    launch_causal_product<P, scalar_t, 8, 8>(p, Da, Dc, stream);
+    if (Dc > kCols) launch_recurrent<P, scalar_t, 8, 8, kColsPerLane>(p, Da, Dc, stream);
+    else launch_recurrent<P, scalar_t, 8, 8>(p, Da, Dc, stream);
   } else if (Da <= 128) {
-    launch_causal_product<P, scalar_t, 8, 16>(p, Da, Dc, stream);
+    if (Dc > kCols) launch_recurrent<P, scalar_t, 8, 16, kColsPerLane>(p, Da, Dc, stream);
+    else launch_recurrent<P, scalar_t, 8, 16>(p, Da, Dc, stream);
   } else {  // 256 rows a block; above that, slabs of 256
-    launch_causal_product<P, scalar_t, 32, 8>(p, Da, Dc, stream);
+    launch_recurrent<P, scalar_t, 32, 8>(p, Da, Dc, stream);
   }
 }
-
-template <Pass P>
-void run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn (CUDA)",
-                                  [&] { run_pass<P, scalar_t>(p, stream); });
-}
-
-// One compile unit each (csrc/cuda/pass_*.cu), so that builds run in parallel.
-void run_forward_pass(const KernelParams& p, cudaStream_t stream);
-void run_grad_q_pass(const KernelParams& p, cudaStream_t stream);
-void run_grad_k_pass(const KernelParams& p, cudaStream_t stream);
-void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace fast_causal_attn

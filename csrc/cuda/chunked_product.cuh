@@ -1,0 +1,422 @@
+// The chunked CUDA kernel family: the same causal product as the recurrent kernels,
+// out[t] = sum_{s<=t} (a[t] . b[s]) c[s] (s >= t in reverse), taken C timesteps at a time so that
+// every step is a small matrix product instead of a rank-1 update:
+//
+//   P   = mask(A B^T)            C x C scores of the chunk (lower triangle; upper in reverse)
+//   out = P Cc + A S             the chunk's own terms plus everything before it (after, in reverse)
+//   S  += B^T Cc                 the running state, Da x NB
+//
+// A, B are the chunk's C x Da rows of a and b, Cc its C x NB columns of c. A block owns one
+// (batch, head), NB columns of c and one time segment; it walks its chunks forward (or backward),
+// keeping the state in registers (each thread its TK x kVec corner) with a copy in shared memory for
+// the A S product. Every product is a CUDA-core FMA micro-tile over shared memory, in the
+// accumulation type, so float32 stays exact float32.
+//
+// The normalizer and the extra row of the normalized gradients (see Operands) are rank-one
+// additions to the same products: den = eps + rowsum(P) + A key_sum, and P += extra_a extra_b^T,
+// out += extra_a extra_state^T, extra_state += Cc^T extra_b.
+//
+// Few (batch, head) pairs: time splits into segments as in the recurrent family (a state-only
+// launch, then each segment starts from the sum of the segments before it).
+#pragma once
+
+#include "kernel_common.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+namespace chunked {
+
+constexpr int kThreads = 256;
+constexpr int kGrid = 16;  // every product spreads its output over a kGrid x kGrid thread grid
+static_assert(kGrid * kGrid == kThreads, "the thread grid is the block");
+
+// Shared memory of a block (offsets in accumulation-type elements). Rows are padded by one vector
+// so that the 16 rows a warp reads at once fall in different banks.
+template <typename acc_t, int DA, int C>
+struct Layout {
+  static constexpr int kVec = 16 / int(sizeof(acc_t));  // elements per 16-byte shared-memory access
+  static constexpr int NB = kGrid * kVec;                // columns of c per block: one vector a thread
+  static constexpr int kAB = DA + kVec;                  // row strides
+  static constexpr int kCS = NB + kVec;
+  static constexpr int kPS = C + kVec;
+  static constexpr int a = 0;                  // [C][kAB]
+  static constexpr int b = a + C * kAB;        // [C][kAB]
+  static constexpr int c = b + C * kAB;        // [C][kCS]
+  static constexpr int p = c + C * kCS;        // [C][kPS]
+  static constexpr int s = p + C * kPS;        // [DA][kCS]: the state entering the chunk
+  static constexpr int extra_a = s + DA * kCS;  // [C]
+  static constexpr int extra_b = extra_a + C;   // [C]
+  static constexpr int extra_state = extra_b + C;  // [NB]
+  static constexpr int key_sum = extra_state + NB;  // [DA]
+  static constexpr int den = key_sum + DA;          // [C]
+  static constexpr int total = den + C;
+  static_assert(DA % kGrid == 0 && DA % kVec == 0 && C % kGrid == 0 && C % kVec == 0, "tile shapes");
+};
+
+template <typename acc_t, int DA, int C>
+constexpr size_t bytes() {
+  return size_t(Layout<acc_t, DA, C>::total) * sizeof(acc_t);
+}
+
+// Timesteps per chunk: 64 where two blocks still fit a multiprocessor, else 32.
+template <typename acc_t, int DA>
+constexpr int chunk_len() {
+  return sizeof(acc_t) == 4 && DA <= 64 ? 64 : 32;
+}
+
+template <int N, typename acc_t>
+__device__ __forceinline__ void load_vec(const acc_t* src, acc_t (&dst)[N]) {
+  constexpr int kVec = 16 / int(sizeof(acc_t));
+  if constexpr (N % kVec == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += kVec) {
+      if constexpr (sizeof(acc_t) == 4) {
+        const float4 x = *reinterpret_cast<const float4*>(src + i);
+        dst[i] = x.x, dst[i + 1] = x.y, dst[i + 2] = x.z, dst[i + 3] = x.w;
+      } else {
+        const double2 x = *reinterpret_cast<const double2*>(src + i);
+        dst[i] = x.x, dst[i + 1] = x.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+// Stages kRows x kWidth elements of one operand into shared memory rows of kStride: thread tid
+// loads column tid % kWidth of rows tid / kWidth + k * (kThreads / kWidth), kBatch loads in flight
+// before their stores.
+template <int kRows, int kWidth, int kStride, typename acc_t, typename Load>
+__device__ __forceinline__ void stage(acc_t* dst, Load load) {
+  static_assert(kThreads % kWidth == 0, "every thread keeps one column");
+  constexpr int kRowStep = kThreads / kWidth;
+  constexpr int kPerThread = kRows / kRowStep;
+  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
+  static_assert(kRows % kRowStep == 0 && kPerThread % kBatch == 0, "staging must divide evenly");
+  const int col = threadIdx.x % kWidth, row0 = threadIdx.x / kWidth;
+#pragma unroll 1
+  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
+    acc_t r[kBatch];
+#pragma unroll
+    for (int kk = 0; kk < kBatch; ++kk) r[kk] = load(row0 + (k0 + kk) * kRowStep, col);
+#pragma unroll
+    for (int kk = 0; kk < kBatch; ++kk) dst[(row0 + (k0 + kk) * kRowStep) * kStride + col] = r[kk];
+  }
+}
+
+}  // namespace chunked
+
+// Blocks per multiprocessor the register budget is set for: as many as shared memory allows, up to
+// two (128 registers a thread).
+template <typename acc_t, int DA, int C>
+constexpr int kChunkedMinBlocks = chunked::bytes<acc_t, DA, C>() <= 113 * 1024 ? 2 : 1;
+
+// grid.x = ((batch * heads) * column tiles + column tile) * segments + segment.
+template <Pass P, typename scalar_t, int DA, int C>
+__global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmath_type<scalar_t>, DA, C>)
+    chunked_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using Traits = PassTraits<P>;
+  using S = chunked::Layout<acc_t, DA, C>;
+  constexpr int kVec = S::kVec, NB = S::NB, G = chunked::kGrid;
+  constexpr int TP = C / G;   // rows (and columns) of P per thread
+  constexpr int TK = DA / G;  // rows of the state per thread (its columns: one vector)
+  constexpr bool kReverse = Traits::kReverse;
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  acc_t* smem = reinterpret_cast<acc_t*>(smem_raw);
+  acc_t* a_s = smem + S::a;
+  acc_t* b_s = smem + S::b;
+  acc_t* c_s = smem + S::c;
+  acc_t* p_s = smem + S::p;
+  acc_t* s_s = smem + S::s;
+  acc_t* extra_a_s = smem + S::extra_a;
+  acc_t* extra_b_s = smem + S::extra_b;
+  acc_t* extra_state_s = smem + S::extra_state;
+  acc_t* key_sum_s = smem + S::key_sum;
+  acc_t* den_s = smem + S::den;
+
+  // Thread (ty, tx) of the grid; each warp covers 4 x 8 of it, so that a warp's reads of one row
+  // of c or of the state touch 8 distinct 16-byte vectors (one shared-memory wavefront) and its reads
+  // of a, b or P rows touch 4 or 8 rows in distinct banks.
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int ty = (warp / 2) * 4 + lane / 8, tx = (warp % 2) * 8 + lane % 8;
+  static_assert(G == 16 && chunked::kThreads == 8 * kWarp, "the warp tiling assumes a 16 x 16 grid of 8 warps");
+  int64_t index = blockIdx.x;
+  const int64_t segment = index % p.segments;
+  index /= p.segments;
+  const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
+  const int64_t b = pair / p.H, h = pair % p.H;
+  const int64_t m0 = col_tile * NB;
+  const int cols = int(Dc - m0 < NB ? Dc - m0 : NB);
+  const int64_t L = p.L;
+  const bool state_only = p.state_only;
+  const bool normalize = p.normalize;
+  const bool extra_row = Traits::kMayHaveExtraRow && normalize;
+  const bool denominator = Traits::kMayHaveDenominator && normalize;
+  const acc_t* den_in =
+      (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
+  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
+  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den);
+
+  // This thread's corner of the state: rows ty * TK + kk, columns tx * kVec + nn. Thread tid also
+  // keeps key_sum[tid] (tid < DA) and extra_state[tid] (tid < NB).
+  acc_t state[TK][kVec];
+#pragma unroll
+  for (int kk = 0; kk < TK; ++kk)
+#pragma unroll
+    for (int nn = 0; nn < kVec; ++nn) state[kk][nn] = acc_t(0);
+  acc_t key_sum = acc_t(0), extra_state = acc_t(0);
+
+  if (p.segments > 1 && !state_only) {  // start from the segments before this one (after, in reverse)
+    const int64_t first = kReverse ? segment + 1 : 0;
+    const int64_t last = kReverse ? p.segments : segment;
+    const acc_t* seg_state = static_cast<const acc_t*>(p.seg_state);
+    for (int64_t j = first; j < last; ++j) {
+      const int64_t base = pair * p.segments + j;
+#pragma unroll
+      for (int kk = 0; kk < TK; ++kk) {
+        const int row = ty * TK + kk;
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) {
+          const int col = tx * kVec + nn;
+          if (row < Da && col < cols) state[kk][nn] += seg_state[(base * Da + row) * Dc + m0 + col];
+        }
+      }
+      if (denominator && tid < Da) key_sum += static_cast<const acc_t*>(p.seg_key_sum)[base * Da + tid];
+      if (extra_row && tid < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[base * Dc + m0 + tid];
+    }
+  }
+  auto publish_state = [&] {  // the state entering the next chunk, for its A S product
+#pragma unroll
+    for (int kk = 0; kk < TK; ++kk)
+#pragma unroll
+      for (int nn = 0; nn < kVec; ++nn) s_s[(ty * TK + kk) * S::kCS + tx * kVec + nn] = state[kk][nn];
+    if (tid < DA) key_sum_s[tid] = key_sum;
+    if (tid < NB) extra_state_s[tid] = extra_state;
+  };
+  publish_state();
+
+  const int64_t seg_begin = segment * p.segment_len;
+  const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
+  const int64_t chunks = seg_end > seg_begin ? (seg_end - seg_begin + C - 1) / C : 0;
+  for (int64_t it = 0; it < chunks; ++it) {
+    const int64_t t0 = seg_begin + (kReverse ? chunks - 1 - it : it) * C;
+    const int n = int(seg_end - t0 < C ? seg_end - t0 : C);
+
+    // Stage the chunk, converted to the accumulation type; rows past the chunk, Da or Dc are zero.
+    __syncthreads();  // every thread is done with the previous chunk
+    if (!state_only) {
+      chunked::stage<C, DA, S::kAB>(
+          a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
+    }
+    chunked::stage<C, DA, S::kAB>(
+        b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
+    chunked::stage<C, NB, S::kCS>(
+        c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
+    if (extra_row && tid < C) {
+      extra_a_s[tid] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
+      extra_b_s[tid] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
+    }
+    __syncthreads();
+
+    if (!state_only) {
+      // P = mask(A B^T) (+ extra_a extra_b^T): rows ty + G ii, columns tx + G jj.
+      acc_t pacc[TP][TP];
+#pragma unroll
+      for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+        for (int jj = 0; jj < TP; ++jj) pacc[ii][jj] = acc_t(0);
+#pragma unroll 1
+      for (int k = 0; k < DA; k += kVec) {
+        acc_t av[TP][kVec], bv[TP][kVec];
+#pragma unroll
+        for (int ii = 0; ii < TP; ++ii) chunked::load_vec(a_s + (ty + G * ii) * S::kAB + k, av[ii]);
+#pragma unroll
+        for (int jj = 0; jj < TP; ++jj) chunked::load_vec(b_s + (tx + G * jj) * S::kAB + k, bv[jj]);
+#pragma unroll
+        for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+          for (int jj = 0; jj < TP; ++jj)
+#pragma unroll
+            for (int u = 0; u < kVec; ++u) pacc[ii][jj] += av[ii][u] * bv[jj][u];
+      }
+#pragma unroll
+      for (int ii = 0; ii < TP; ++ii) {
+#pragma unroll
+        for (int jj = 0; jj < TP; ++jj) {
+          const int i = ty + G * ii, j = tx + G * jj;
+          const acc_t value = extra_row ? pacc[ii][jj] + extra_a_s[i] * extra_b_s[j] : pacc[ii][jj];
+          p_s[i * S::kPS + j] = (kReverse ? j >= i : j <= i) ? value : acc_t(0);
+        }
+      }
+      __syncthreads();
+
+      // The normalizer (forward only): kThreads / C threads a row, then a shuffle sum.
+      if (denominator) {
+        constexpr int kPerRow = chunked::kThreads / C;
+        const int i = tid / kPerRow, part = tid % kPerRow;
+        acc_t d = acc_t(0);
+        for (int j = part; j < C; j += kPerRow) d += p_s[i * S::kPS + j];
+        for (int k = part; k < DA; k += kPerRow) d += a_s[i * S::kAB + k] * key_sum_s[k];
+#pragma unroll
+        for (int offset = kPerRow / 2; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
+        if (part == 0) {
+          d += acc_t(p.eps);
+          den_s[i] = d;
+          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[pair * L + t0 + i] = d;
+        }
+        __syncthreads();
+      }
+
+      // out = P Cc + A S (+ extra_a extra_state^T): rows ty + G ii, columns tx kVec + nn.
+      acc_t out[TP][kVec];
+#pragma unroll
+      for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) out[ii][nn] = acc_t(0);
+#pragma unroll 1
+      for (int s = 0; s < C; s += kVec) {
+        acc_t pv[TP][kVec];
+#pragma unroll
+        for (int ii = 0; ii < TP; ++ii) chunked::load_vec(p_s + (ty + G * ii) * S::kPS + s, pv[ii]);
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          acc_t cv[kVec];
+          chunked::load_vec(c_s + (s + u) * S::kCS + tx * kVec, cv);
+#pragma unroll
+          for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+            for (int nn = 0; nn < kVec; ++nn) out[ii][nn] += pv[ii][u] * cv[nn];
+        }
+      }
+#pragma unroll 1
+      for (int k = 0; k < DA; k += kVec) {
+        acc_t av[TP][kVec];
+#pragma unroll
+        for (int ii = 0; ii < TP; ++ii) chunked::load_vec(a_s + (ty + G * ii) * S::kAB + k, av[ii]);
+#pragma unroll
+        for (int u = 0; u < kVec; ++u) {
+          acc_t sv[kVec];
+          chunked::load_vec(s_s + (k + u) * S::kCS + tx * kVec, sv);
+#pragma unroll
+          for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+            for (int nn = 0; nn < kVec; ++nn) out[ii][nn] += av[ii][u] * sv[nn];
+        }
+      }
+#pragma unroll
+      for (int ii = 0; ii < TP; ++ii) {
+        const int i = ty + G * ii;
+        if (i >= n) continue;
+        const acc_t den = denominator ? den_s[i] : acc_t(1);
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) {
+          const int m = tx * kVec + nn;
+          const acc_t value = extra_row ? out[ii][nn] + extra_a_s[i] * extra_state_s[m] : out[ii][nn];
+          if (m < cols) ops.store(t0 + i, m0 + m, value, den);
+        }
+      }
+    }
+
+    // S += B^T Cc, and the rank-one sums beside it.
+#pragma unroll 2
+    for (int t = 0; t < C; ++t) {
+      acc_t bv[TK], cv[kVec];
+      chunked::load_vec(b_s + t * S::kAB + ty * TK, bv);
+      chunked::load_vec(c_s + t * S::kCS + tx * kVec, cv);
+#pragma unroll
+      for (int kk = 0; kk < TK; ++kk)
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) state[kk][nn] += bv[kk] * cv[nn];
+    }
+    if (denominator && tid < DA) {
+#pragma unroll 4
+      for (int t = 0; t < C; ++t) key_sum += b_s[t * S::kAB + tid];
+    }
+    if (extra_row && tid < NB) {
+#pragma unroll 4
+      for (int t = 0; t < C; ++t) extra_state += extra_b_s[t] * c_s[t * S::kCS + tid];
+    }
+    if (!state_only) {
+      __syncthreads();  // every thread has read the state entering this chunk
+      publish_state();
+    }
+  }
+
+  if (state_only) {
+    const int64_t base = pair * p.segments + segment;
+    acc_t* seg_state = static_cast<acc_t*>(p.seg_state);
+#pragma unroll
+    for (int kk = 0; kk < TK; ++kk) {
+      const int row = ty * TK + kk;
+#pragma unroll
+      for (int nn = 0; nn < kVec; ++nn) {
+        const int col = tx * kVec + nn;
+        if (row < Da && col < cols) seg_state[(base * Da + row) * Dc + m0 + col] = state[kk][nn];
+      }
+    }
+    if (denominator && tid < Da && col_tile == 0) static_cast<acc_t*>(p.seg_key_sum)[base * Da + tid] = key_sum;
+    if (extra_row && tid < cols) static_cast<acc_t*>(p.seg_extra)[base * Dc + m0 + tid] = extra_state;
+  }
+}
+
+// The low-occupancy threshold of this family: segments are added while the launch has fewer
+// blocks than the device holds at once, each segment at least kMinChunksPerSegment chunks long.
+constexpr int64_t kMinChunksPerSegment = 4;
+
+template <Pass P, typename scalar_t, int DA>
+void launch_chunked(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int C = chunked::chunk_len<acc_t, DA>();
+  using S = chunked::Layout<acc_t, DA, C>;
+  KernelParams p = params;
+  const int64_t pairs = p.B * p.H;
+  const int64_t col_tiles = (Dc + S::NB - 1) / S::NB;
+
+  auto kernel = chunked_product_kernel<P, scalar_t, DA, C>;
+  const size_t smem = chunked::bytes<acc_t, DA, C>();
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, chunked::kThreads, smem));
+  // Segments only while the launch fills less than half of what the device holds: at
+  // 8,16,2048,128 (256 blocks, 264 slots) two segments cost a 0.41 ms state pass before a 1.11 ms
+  // main pass (H200, fp32, ncu).
+  const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
+  const int64_t segments =
+      2 * pairs * col_tiles > slots ? 1 : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
+  const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
+
+  const int64_t blocks = pairs * col_tiles * p.segments;
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
+  if (p.segments > 1) {
+    KernelParams sums = p;
+    sums.state_only = true;
+    kernel<<<dim3(unsigned(blocks)), dim3(chunked::kThreads), smem, stream>>>(sums, Da, Dc, col_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  kernel<<<dim3(unsigned(blocks)), dim3(chunked::kThreads), smem, stream>>>(p, Da, Dc, col_tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The head-dim bucket: the state's Da rows (a and b's width), up to kMaxChunkedRows.
+constexpr int64_t kMaxChunkedRows = 256;
+
+template <Pass P, typename scalar_t>
+void run_chunked(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  if (Da <= 32) {
+    launch_chunked<P, scalar_t, 32>(p, Da, Dc, stream);
+  } else if (Da <= 64) {
+    launch_chunked<P, scalar_t, 64>(p, Da, Dc, stream);
+  } else if (Da <= 128) {
+    launch_chunked<P, scalar_t, 128>(p, Da, Dc, stream);
+  } else {
+    launch_chunked<P, scalar_t, 256>(p, Da, Dc, stream);
+  }
+}
+
+}  // namespace cuda
+}  // namespace fast_causal_attn

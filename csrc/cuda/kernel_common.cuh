@@ -1,0 +1,181 @@
+// What every CUDA kernel family shares: the kernel parameters, the four passes as one causal
+// product out[t] = sum_{s<=t} (a[t] . b[s]) c[s] (s >= t in reverse) with their operands, and the
+// time segments of the low-occupancy launches.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_runtime.h>
+
+#include "../causal_attn.h"
+
+namespace fast_causal_attn {
+namespace cuda {
+
+constexpr int kWarp = 32;
+
+enum class Pass { Forward, GradQ, GradK, GradV };
+
+struct KernelParams : BackwardParams {
+  // -(dO[t] . O[t]) / den[t], made by backward_prepare_kernel when normalize.
+  void* grad_den = nullptr;  // [B, H, L] contiguous, accumulation dtype
+
+  // Head dims above the largest bucket split the state's rows into slabs, one block each; the
+  // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel
+  // writes the output. Unused (nullptr, 1 slab) otherwise.
+  int64_t slabs = 1;
+  void* slab_out = nullptr;  // [B, H, L, Dc] contiguous, accumulation dtype, zeroed
+  void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
+
+  // The low-occupancy variant splits time into segments, one block each: a first launch
+  // (state_only) sums each segment's state into seg_*, the second starts each segment from the
+  // sum of the segments before it (after it, in reverse). One segment: the tiled variant.
+  int64_t segments = 1;
+  int64_t segment_len = 0;      // timesteps per segment, a multiple of kSteps
+  bool state_only = false;
+  void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
+  void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
+  void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
+};
+
+// What a, b and c are in each pass, element by element (r indexes a and b, m indexes c), and
+// what becomes of the output:
+//
+//   forward  a = q' = scale q   b = k            c = v          out = a S [/ den]
+//   grad q   a = g              b = v            c = k          dq  = scale * out
+//   grad k   a = v              b = g            c = q'         dk  = out        (reverse)
+//   grad v   a = k              b = q'           c = g          dv  = out        (reverse)
+//
+// with g = dO / den under normalize (dO otherwise). Under normalize the gradients of q and k also
+// have an extra row, the 1 of [v, 1] against the -(g . O) of [g, -(g . O)]; forward normalize
+// adds the denominator q' . sum k (a column of ones in c).
+template <Pass P>
+struct PassTraits {
+  static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV;
+  static constexpr bool kMayHaveExtraRow = P == Pass::GradQ || P == Pass::GradK;
+  static constexpr bool kMayHaveDenominator = P == Pass::Forward;
+};
+
+template <Pass P, typename scalar_t, typename acc_t>
+struct Operands {
+  const scalar_t *q, *k, *v, *dout;  // this (batch, head)'s rows
+  int64_t q_l, k_l, v_l, dout_l;     // their timestep strides
+  scalar_t* out;                     // o, dq, dk or dv
+  int64_t out_l;
+  acc_t scale;
+  const acc_t* den;       // [L] in the gradients under normalize, else nullptr
+  const acc_t* grad_den;  // [L] in the gradients of q and k under normalize, else nullptr
+
+  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_)
+      : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, 0)),
+        k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0)),
+        v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, 0)),
+        dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, 0)),
+        q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
+        scale(acc_t(p.scale)), den(den_), grad_den(grad_den_) {
+    const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
+    out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, 0);
+    out_l = o.stride_l;
+  }
+
+  __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
+  __device__ acc_t grad(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]) * inv_den(s); }
+
+  __device__ acc_t a_at(int64_t s, int64_t r) const {
+    switch (P) {
+      case Pass::Forward: return scale * acc_t(q[s * q_l + r]);
+      case Pass::GradQ: return grad(s, r);
+      case Pass::GradK: return acc_t(v[s * v_l + r]);
+      case Pass::GradV: return acc_t(k[s * k_l + r]);
+    }
+    return acc_t(0);
+  }
+  __device__ acc_t b_at(int64_t s, int64_t r) const {
+    switch (P) {
+      case Pass::Forward: return acc_t(k[s * k_l + r]);
+      case Pass::GradQ: return acc_t(v[s * v_l + r]);
+      case Pass::GradK: return grad(s, r);
+      case Pass::GradV: return scale * acc_t(q[s * q_l + r]);
+    }
+    return acc_t(0);
+  }
+  __device__ acc_t c_at(int64_t s, int64_t m) const {
+    switch (P) {
+      case Pass::Forward: return acc_t(v[s * v_l + m]);
+      case Pass::GradQ: return acc_t(k[s * k_l + m]);
+      case Pass::GradK: return scale * acc_t(q[s * q_l + m]);
+      case Pass::GradV: return grad(s, m);
+    }
+    return acc_t(0);
+  }
+  // The extra row's a and b (normalize, gradients of q and k only).
+  __device__ acc_t extra_a(int64_t s) const { return P == Pass::GradQ ? grad_den[s] : acc_t(1); }
+  __device__ acc_t extra_b(int64_t s) const { return P == Pass::GradQ ? acc_t(1) : grad_den[s]; }
+
+  // denominator: the forward's normalizer at s (1 without normalize).
+  __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
+    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value : value;
+    out[s * out_l + m] = scalar_t(result);
+  }
+};
+
+// ROWS consecutive accumulation-type values from shared memory, 16 bytes at a time.
+template <int ROWS, typename acc_t>
+__device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) {
+  constexpr int kVec = 16 / sizeof(acc_t);
+  if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 4) {
+#pragma unroll
+    for (int i = 0; i < ROWS / 4; ++i) {
+      const float4 x = reinterpret_cast<const float4*>(src)[i];
+      dst[4 * i] = x.x, dst[4 * i + 1] = x.y, dst[4 * i + 2] = x.z, dst[4 * i + 3] = x.w;
+    }
+  } else if constexpr (ROWS % kVec == 0 && sizeof(acc_t) == 8) {
+#pragma unroll
+    for (int i = 0; i < ROWS / 2; ++i) {
+      const double2 x = reinterpret_cast<const double2*>(src)[i];
+      dst[2 * i] = x.x, dst[2 * i + 1] = x.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) dst[i] = src[i];
+  }
+}
+
+int multiprocessor_count();
+
+// How many time segments (blocks along time) a launch of `blocks` blocks gets: enough to fill
+// `target_blocks` (what the device holds at once, or a measured share of it), while each segment
+// keeps at least min_segment_len timesteps (below that the extra state pass and the prefix sums
+// cost more than the parallelism gains). FAST_CAUSAL_ATTN_SEGMENTS=N forces N, for measuring.
+int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len);
+
+// The workspace of a segmented launch: each segment's state sum_s b[s] c[s]^T, and its sums of b
+// (forward normalize) and of extra_b * c (gradients under normalize). Sets p's segments,
+// segment_len (a multiple of step) and workspace pointers; the tensors own the memory.
+struct SegmentWorkspace {
+  at::Tensor state, key_sum, extra;
+
+  template <Pass P, typename acc_t>
+  static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc) {
+    p.segment_len = ((p.L + segments - 1) / segments + step - 1) / step * step;
+    p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
+    SegmentWorkspace w;
+    if (p.segments > 1) {
+      const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
+      const int64_t n = p.B * p.H * p.segments;
+      w.state = at::empty({n * Da * Dc}, options);
+      w.key_sum = at::empty({P == Pass::Forward && p.normalize ? n * Da : 0}, options);
+      w.extra = at::empty({P != Pass::Forward && p.normalize ? n * Dc : 0}, options);
+      p.seg_state = w.state.data_ptr();
+      p.seg_key_sum = w.key_sum.data_ptr();
+      p.seg_extra = w.extra.data_ptr();
+    }
+    return w;
+  }
+};
+
+}  // namespace cuda
+}  // namespace fast_causal_attn
