@@ -28,13 +28,21 @@ def want_cuda() -> bool:
     return available if forced == "" else forced == "cuda"
 
 
+def cxx_standard() -> str:
+    """The C++ standard torch's headers ask for: C++20 from torch 2.14 on (ATen.h refuses older)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+
+
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
-    cxx = ["-O3", "-std=c++17", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]
+    cxx = ["-O3", cxx_standard(), "-fopenmp", "-DPy_LIMITED_API=0x03090000"]
     if want_cuda():
         sources += rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA"]
+        # No --use_fast_math: its approximate division and flushed denormals would bend the
+        # exact-fp32 promise (the normalizer divides every output).
+        nvcc = ["-O3", cxx_standard(), "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA"]
         return CUDAExtension(
             "fast_causal_attn._C",
             sources,

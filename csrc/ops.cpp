@@ -215,10 +215,13 @@ void check_state_pair(const c10::optional<at::Tensor>& kv, const c10::optional<a
               " needs both kv and k_sum, got only ", kv.has_value() ? "kv" : "k_sum");
 }
 
-void check_state_backend(const at::Tensor& q, bool uses_state, bool uses_cu_seqlens) {
-  TORCH_CHECK(!uses_state || q.device().is_cpu(),
-              "fast_causal_attn: initial_state and return_final_state are not supported on ", q.device().type(),
-              " yet; they run on the CPU");
+// On CUDA only the chunked kernels carry states, and their buckets hold head dims up to 256.
+void check_state_backend(const at::Tensor& q, const at::Tensor& v, bool uses_state, bool uses_cu_seqlens) {
+  constexpr int64_t kMaxCudaStateDim = 256;  // kMaxChunkedRows in csrc/cuda/chunked_product.cuh
+  const int64_t E = q.size(-1), M = v.size(-1);
+  TORCH_CHECK(!uses_state || !q.is_cuda() || (E <= kMaxCudaStateDim && M <= kMaxCudaStateDim),
+              "fast_causal_attn: initial_state and return_final_state on CUDA support head dims up to ",
+              kMaxCudaStateDim, ", got E = ", E, ", M = ", M);
   TORCH_CHECK(!uses_cu_seqlens || q.device().is_cpu(), "fast_causal_attn: cu_seqlens is not supported on ",
               q.device().type(), " yet; it runs on the CPU");
 }
@@ -233,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
   check_scalars(scale, eps);
   check_inputs(q, k, v, layout);
   check_state_pair(initial_kv, initial_k_sum, "initial_state");
-  check_state_backend(q, initial_kv.has_value() || return_final_state, cu_seqlens.has_value());
+  check_state_backend(q, v, initial_kv.has_value() || return_final_state, cu_seqlens.has_value());
   c10::DeviceGuard guard(q.device());
 
   const at::Tensor qb = with_contiguous_rows(as_bhld(q, layout));
@@ -278,7 +281,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
   check_dtype_and_device(grad_out, "grad_out", q);
   check_state_pair(initial_kv, initial_k_sum, "initial_state");
   check_state_pair(grad_final_kv, grad_final_k_sum, "the gradient of the final state");
-  check_state_backend(q, initial_kv.has_value() || grad_final_kv.has_value(), cu_seqlens.has_value());
+  check_state_backend(q, v, initial_kv.has_value() || grad_final_kv.has_value(), cu_seqlens.has_value());
   if (normalize) {
     TORCH_CHECK(out.has_value() && den.has_value(),
                 "fast_causal_attn: the backward with normalize=True needs the forward's out and den");

@@ -38,8 +38,8 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
             strides; only an input whose last dimension is not contiguous is copied.
         initial_state: a ``State(kv, k_sum)`` (kv [B, H, E, M], k_sum [B, H, E], float32 or float64
             for float64 inputs) to start from, e.g. the final state of the previous piece of the
-            sequence; None starts from zero. CPU only for now.
-        return_final_state: also return the state after the last timestep. CPU only for now.
+            sequence; None starts from zero. On CUDA, E and M up to 256.
+        return_final_state: also return the state after the last timestep. On CUDA, E and M up to 256.
         cu_seqlens: variable-length batches: int32 or int64 [N + 1] offsets (0, ..., total) of N
             sequences packed along the time dimension of inputs with batch size 1. Attention never
             crosses a sequence boundary; states are then per sequence, [N, H, E, M] and [N, H, E].

@@ -29,8 +29,8 @@ class CausalLinearAttention(nn.Module):
     ``forward(x, state=None, return_state=False)``: with ``return_state=True`` it also returns the
     attention state after x, a ``State(kv, k_sum)`` of [B, num_heads, head_dim, head_dim] and
     [B, num_heads, head_dim]; passing it as ``state`` to the next call continues the sequence, so
-    generation runs one token at a time (x of length 1) at constant cost per token. (State in and
-    out runs on the CPU only for now.)
+    generation runs one token at a time (x of length 1) at constant cost per token. (On CUDA, state
+    in and out needs head_dim <= 256.)
 
     Replacing fast-transformers' layer::
 

@@ -9,10 +9,17 @@ import sysconfig
 import tempfile
 
 import pytest
+import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
+
+
+def cxx_standard():
+    """As setup.py: C++20 from torch 2.14 on, whose headers refuse older."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
 
 
 def nvcc_path():
@@ -35,7 +42,7 @@ def test_cuda_sources_compile_for_sm90():
 
         def compile_one(src):
             obj = os.path.join(tmp, os.path.basename(src) + ".o")
-            cmd = [nvcc_path(), "-c", src, "-o", obj, "-std=c++17", "-O3", "-gencode=arch=compute_90,code=sm_90",
+            cmd = [nvcc_path(), "-c", src, "-o", obj, cxx_standard(), "-O3", "-gencode=arch=compute_90,code=sm_90",
                    "-DFAST_CAUSAL_ATTN_WITH_CUDA", *includes]
             result = subprocess.run(cmd, capture_output=True, text=True)
             return src, result.returncode, result.stderr[-3000:]

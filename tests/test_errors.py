@@ -1,6 +1,8 @@
 """Every bad input gets an error that names the tensor or argument, what was expected and what
 came, and no input is modified."""
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -72,6 +74,36 @@ def test_unsupported_dtype(dtype):
 def test_devices_differ():
     q, k, v = good_inputs()
     expect_error(r"v must be on the same device as q \(cpu\), got meta", q, k, v.to("meta"))
+
+
+# Bad inputs on CUDA, each checked in a child process: on the H200 some of these crashed the
+# process (SIGSEGV) instead of raising, and a crash here must fail this test, not end the suite.
+CUDA_ERROR_SCRIPT = """
+import torch, fast_causal_attn
+cases = [
+    (dict(eps=-1.0, normalize=True), 4, 4, "eps must be finite and > 0, got -1"),
+    (dict(scale=float("nan")), 4, 4, "scale must be finite, got nan"),
+    (dict(return_final_state=True), 257, 4, "on CUDA support head dims up to 256, got E = 257, M = 4"),
+    (dict(layout="bshd"), 4, 4, "layout must be 'bhld'"),
+]
+for kwargs, E, M, message in cases:
+    q, k = torch.rand(1, 1, 8, E, device="cuda"), torch.rand(1, 1, 8, E, device="cuda")
+    v = torch.rand(1, 1, 8, M, device="cuda")
+    try:
+        fast_causal_attn.causal_linear_attention(q, k, v, **kwargs)
+    except RuntimeError as e:
+        assert message in str(e), f"{kwargs}: {e}"
+    else:
+        raise SystemExit(f"{kwargs}: no error")
+print("all raised")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_bad_inputs_on_cuda_raise_cleanly():
+    result = subprocess.run([sys.executable, "-c", CUDA_ERROR_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "all raised" in result.stdout, (
+        f"exit code {result.returncode}\n{result.stdout[-1000:]}\n{result.stderr[-3000:]}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import CUDA, cases
+from conftest import CUDA, DEVICES, cases
 from reference import make_inputs, make_state, reference_with_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
@@ -22,6 +22,7 @@ def time_slice(x, layout, start, stop):
 
 # Every dtype, normalize setting and layout.
 state_cases = cases(
+    pytest.mark.parametrize("device", DEVICES),
     pytest.mark.parametrize("dtype", DTYPES, ids=str),
     pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"]),
     pytest.mark.parametrize("layout", ["bhld", "blhd"]),
@@ -29,10 +30,10 @@ state_cases = cases(
 
 
 @state_cases
-def test_state_matches_reference(layout, normalize, dtype):
+def test_state_matches_reference(layout, normalize, dtype, device):
     B, H, L, E, M = 2, 3, 100, 17, 24
-    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
-    state0 = make_state(B, H, E, M, dtype, normalize)
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    state0 = fast_causal_attn.State(*(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)))
     out, state1 = fast_causal_attn.causal_linear_attention(
         q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
     assert state1.kv.dtype == state0.kv.dtype and state1.kv.shape == (B, H, E, M) and state1.k_sum.shape == (B, H, E)
@@ -45,13 +46,14 @@ def test_state_matches_reference(layout, normalize, dtype):
 
 
 @state_cases
-def test_pieces_equal_whole(layout, normalize, dtype):
+def test_pieces_equal_whole(layout, normalize, dtype, device):
     B, H, L, E, M = 2, 2, 150, 8, 12
-    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
-    state0 = make_state(B, H, E, M, dtype, normalize)
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    state0 = [x.to(device) for x in make_state(B, H, E, M, dtype, normalize)]
     splits = sorted(torch.randperm(L - 1)[:3].add(1).tolist())
-    w_out = torch.randn(v.shape, dtype=torch.float64)
-    w_kv, w_k_sum = torch.randn(B, H, E, M, dtype=torch.float64), torch.randn(B, H, E, dtype=torch.float64)
+    w_out = torch.randn(v.shape, dtype=torch.float64).to(device)
+    w_kv = torch.randn(B, H, E, M, dtype=torch.float64).to(device)
+    w_k_sum = torch.randn(B, H, E, dtype=torch.float64).to(device)
     kw = dict(scale=0.9, normalize=normalize, layout=layout)
 
     def run(pieces):
@@ -77,14 +79,15 @@ def test_pieces_equal_whole(layout, normalize, dtype):
         assert relative_error(b, a) <= tol, f"{name}: pieces {splits} differ from the whole sequence"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_gradcheck_with_state(layout, normalize):
+def test_gradcheck_with_state(layout, normalize, device):
     B, H, L, E, M = 1, 2, 40, 3, 4
-    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device="cpu", layout=layout, normalize=normalize)
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device=device, layout=layout, normalize=normalize)
     if normalize:
         q, k = q + 0.1, k + 0.1
-    kv0, k_sum0 = make_state(B, H, E, M, torch.float64, normalize)
+    kv0, k_sum0 = (x.to(device) for x in make_state(B, H, E, M, torch.float64, normalize))
     inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
 
     def f(q, k, v, kv0, k_sum0):
@@ -96,10 +99,11 @@ def test_gradcheck_with_state(layout, normalize):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-def test_empty_sequence_passes_state_through(normalize):
-    q, k, v = make_inputs(2, 3, 0, 4, 5, dtype=torch.float32, device="cpu")
-    kv0, k_sum0 = (x.requires_grad_() for x in make_state(2, 3, 4, 5, torch.float32, normalize))
+def test_empty_sequence_passes_state_through(normalize, device):
+    q, k, v = make_inputs(2, 3, 0, 4, 5, dtype=torch.float32, device=device)
+    kv0, k_sum0 = (x.to(device).requires_grad_() for x in make_state(2, 3, 4, 5, torch.float32, normalize))
     out, state = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=(kv0, k_sum0),
                                                           return_final_state=True)
     assert out.shape == (2, 3, 0, 5)
@@ -110,8 +114,9 @@ def test_empty_sequence_passes_state_through(normalize):
     torch.testing.assert_close(k_sum0.grad, torch.full_like(k_sum0, 2.0), rtol=0, atol=0)
 
 
-def test_final_state_without_initial_state():
-    q, k, v = make_inputs(2, 2, 70, 5, 6, dtype=torch.float64, device="cpu")
+@pytest.mark.parametrize("device", DEVICES)
+def test_final_state_without_initial_state(device):
+    q, k, v = make_inputs(2, 2, 70, 5, 6, dtype=torch.float64, device=device)
     _, state = fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
     _, ref_kv, ref_k_sum = reference_with_state(q, k, v)
     assert relative_error(state.kv, ref_kv) <= 1e-12 and relative_error(state.k_sum, ref_k_sum) <= 1e-12
@@ -141,11 +146,26 @@ def test_bad_initial_state(bad, pattern):
 
 
 @CUDA
-def test_state_on_cuda_says_not_yet():
-    (q, k, v), state = good_state_case()
-    q, k, v = (x.cuda() for x in (q, k, v))
-    with pytest.raises(RuntimeError, match=r"initial_state and return_final_state are not supported on cuda yet"):
-        fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_state_on_cuda_long_sequences_with_segments(normalize):
+    """Few (batch, head) pairs and a long sequence: the chunked kernels split time into segments,
+    and the given state enters every segment's start while the last one writes the final state."""
+    B, H, L, E, M = 1, 2, 3000, 64, 64
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=normalize)
+    state0 = fast_causal_attn.State(*(x.cuda() for x in make_state(B, H, E, M, torch.float32, normalize)))
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, *state0)]
+    out, state1 = fast_causal_attn.causal_linear_attention(*leaves[:3], normalize=normalize,
+                                                           initial_state=leaves[3:], return_final_state=True)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, normalize=normalize)
+    assert relative_error(out, ref_out) <= 1e-5
+    assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
+    (out.sum() + state1.kv.sum() + state1.k_sum.sum()).backward()
+    cpu = [x.detach().cpu().double().requires_grad_() for x in leaves]
+    out_c, state_c = fast_causal_attn.causal_linear_attention(*cpu[:3], normalize=normalize,
+                                                              initial_state=cpu[3:], return_final_state=True)
+    (out_c.sum() + state_c.kv.sum() + state_c.k_sum.sum()).backward()
+    for name, a, b in zip(["q", "k", "v", "kv0", "k_sum0"], leaves, cpu):
+        assert relative_error(a.grad, b.grad) <= 1e-5, f"grad {name}"
 
 
 def test_state_under_torch_compile():

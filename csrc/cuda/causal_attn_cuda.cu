@@ -63,7 +63,7 @@ void launch_backward_cuda(const BackwardParams& params) {
   static_cast<BackwardParams&>(p) = params;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor grad_den;
-  if (p.normalize) {
+  if (p.normalize && p.L > 0) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
     grad_den = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
     p.grad_den = grad_den.data_ptr();
@@ -78,6 +78,14 @@ void launch_backward_cuda(const BackwardParams& params) {
   run_grad_q_pass(p, stream);
   run_grad_k_pass(p, stream);
   run_grad_v_pass(p, stream);
+  if (!p.normalize && p.grad_initial_k_sum != nullptr) {  // the key sum passes straight through
+    const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);
+    if (p.grad_final_k_sum != nullptr) {
+      C10_CUDA_CHECK(cudaMemcpyAsync(p.grad_initial_k_sum, p.grad_final_k_sum, bytes, cudaMemcpyDeviceToDevice, stream));
+    } else {
+      C10_CUDA_CHECK(cudaMemsetAsync(p.grad_initial_k_sum, 0, bytes, stream));
+    }
+  }
 }
 
 }  // namespace

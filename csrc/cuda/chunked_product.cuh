@@ -155,6 +155,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
   const bool normalize = p.normalize;
   const bool extra_row = Traits::kMayHaveExtraRow && normalize;
   const bool denominator = Traits::kMayHaveDenominator && normalize;
+  const bool track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
   const acc_t* den_in =
       (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
   const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
@@ -184,9 +185,28 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
           if (row < Da && col < cols) state[kk][nn] += seg_state[(base * Da + row) * Dc + m0 + col];
         }
       }
-      if (denominator && tid < Da) key_sum += static_cast<const acc_t*>(p.seg_key_sum)[base * Da + tid];
+      if (track_key_sum && tid < Da) key_sum += static_cast<const acc_t*>(p.seg_key_sum)[base * Da + tid];
       if (extra_row && tid < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[base * Dc + m0 + tid];
     }
+  }
+  if (!state_only && p.start_state != nullptr) {  // the given starting state, added to every segment's
+    const acc_t* start = static_cast<const acc_t*>(p.start_state);
+#pragma unroll
+    for (int kk = 0; kk < TK; ++kk) {
+      const int row = ty * TK + kk;
+#pragma unroll
+      for (int nn = 0; nn < kVec; ++nn) {
+        const int64_t col = m0 + tx * kVec + nn;
+        if (row < Da && col < Dc) {
+          state[kk][nn] += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
+        }
+      }
+    }
+  }
+  if (!state_only && p.start_vector != nullptr) {
+    const acc_t* start = static_cast<const acc_t*>(p.start_vector);
+    if (track_key_sum && tid < Da) key_sum += start[pair * Da + tid];
+    if (extra_row && tid < cols) extra_state += start[pair * Dc + m0 + tid];
   }
   auto publish_state = [&] {  // the state entering the next chunk, for its A S product
 #pragma unroll
@@ -314,8 +334,11 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
 #pragma unroll
         for (int nn = 0; nn < kVec; ++nn) {
           const int m = tx * kVec + nn;
-          const acc_t value = extra_row ? out[ii][nn] + extra_a_s[i] * extra_state_s[m] : out[ii][nn];
-          if (m < cols) ops.store(t0 + i, m0 + m, value, den);
+          acc_t value = extra_row ? out[ii][nn] + extra_a_s[i] * extra_state_s[m] : out[ii][nn];
+          if (m < cols) {
+            if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + m];
+            ops.store(t0 + i, m0 + m, value, den);
+          }
         }
       }
     }
@@ -331,7 +354,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
 #pragma unroll
         for (int nn = 0; nn < kVec; ++nn) state[kk][nn] += bv[kk] * cv[nn];
     }
-    if (denominator && tid < DA) {
+    if (track_key_sum && tid < DA) {
 #pragma unroll 4
       for (int t = 0; t < C; ++t) key_sum += b_s[t * S::kAB + tid];
     }
@@ -357,8 +380,26 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
         if (row < Da && col < cols) seg_state[(base * Da + row) * Dc + m0 + col] = state[kk][nn];
       }
     }
-    if (denominator && tid < Da && col_tile == 0) static_cast<acc_t*>(p.seg_key_sum)[base * Da + tid] = key_sum;
+    if (track_key_sum && tid < Da && col_tile == 0) static_cast<acc_t*>(p.seg_key_sum)[base * Da + tid] = key_sum;
     if (extra_row && tid < cols) static_cast<acc_t*>(p.seg_extra)[base * Dc + m0 + tid] = extra_state;
+  } else if (segment == (kReverse ? 0 : p.segments - 1)) {  // the last segment in time order ends the pass
+    if (p.end_state != nullptr) {
+      acc_t* end = static_cast<acc_t*>(p.end_state);
+#pragma unroll
+      for (int kk = 0; kk < TK; ++kk) {
+        const int row = ty * TK + kk;
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) {
+          const int col = tx * kVec + nn;
+          if (row < Da && col < cols) end[(pair * Da + row) * Dc + m0 + col] = state[kk][nn];
+        }
+      }
+    }
+    if (p.end_vector != nullptr) {
+      acc_t* end = static_cast<acc_t*>(p.end_vector);
+      if (track_key_sum && tid < Da && col_tile == 0) end[pair * Da + tid] = key_sum;
+      if (extra_row && tid < cols) end[pair * Dc + m0 + tid] = extra_state;
+    }
   }
 }
 

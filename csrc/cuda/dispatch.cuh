@@ -29,13 +29,48 @@ inline Family choose_family(int64_t Da) {
   return Family::Recurrent;
 }
 
+// Where each pass starts and ends (csrc/causal_attn.h derives these): the forward runs from
+// (S0, z0) to (S1, z1); the dq product starts from [S0^T; z0]; the dk product from
+// [dS1^T; dz1] and ends at dz0 in its extra row; the dv product from dS1 to dS0. Without normalize
+// the key sums never meet q: dz1 reaches dk as a constant row (out_bias) and dz0 = dz1 (host).
+template <Pass P>
+KernelParams with_state_io(const KernelParams& p) {
+  KernelParams s = p;
+  switch (P) {
+    case Pass::Forward:
+      s.start_state = p.initial_kv, s.start_vector = p.initial_k_sum;
+      s.end_state = p.final_kv, s.end_vector = p.final_k_sum;
+      break;
+    case Pass::GradQ:
+      s.start_state = p.initial_kv, s.start_transposed = true;
+      s.start_vector = p.normalize ? p.initial_k_sum : nullptr;
+      break;
+    case Pass::GradK:
+      s.start_state = p.grad_final_kv, s.start_transposed = true;
+      s.start_vector = p.normalize ? p.grad_final_k_sum : nullptr;
+      s.end_vector = p.normalize ? p.grad_initial_k_sum : nullptr;
+      s.out_bias = p.normalize ? nullptr : p.grad_final_k_sum;
+      break;
+    case Pass::GradV:
+      s.start_state = p.grad_final_kv, s.end_state = p.grad_initial_kv;
+      break;
+  }
+  return s;
+}
+
 template <Pass P, typename scalar_t>
-void run_pass(const KernelParams& p, cudaStream_t stream) {
+void run_pass(const KernelParams& params, cudaStream_t stream) {
+  const KernelParams p = with_state_io<P>(params);
   // a and b index the state's rows, c its columns (see Operands).
   const bool a_is_e = P == Pass::Forward || P == Pass::GradV;
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
-  if (choose_family(Da) == Family::Chunked) {
+  if (p.has_state_io()) {  // only the chunked family reads and writes states
+    // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
+    TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: initial_state and return_final_state on CUDA support ",
+                "head dims up to 256, got E = ", p.E, ", M = ", p.M);
+    run_chunked<P, scalar_t>(p, Da, Dc, stream);
+  } else if (choose_family(Da) == Family::Chunked) {
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
   } else {
     run_recurrent<P, scalar_t>(p, Da, Dc, stream);

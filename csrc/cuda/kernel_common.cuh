@@ -39,6 +39,18 @@ struct KernelParams : BackwardParams {
   void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
   void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
   void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
+
+  // The state a pass starts from and ends at (initial and final state, or their gradients), each
+  // [B * H, ...] contiguous in the accumulation dtype, nullptr for none (see with_state_io in
+  // dispatch.cuh). Chunked family only.
+  const void* start_state = nullptr;   // [B * H, Da, Dc], or [B * H, Dc, Da] when start_transposed
+  bool start_transposed = false;
+  const void* start_vector = nullptr;  // the forward's key sum [B * H, Da]; the extra row's [B * H, Dc]
+  void* end_state = nullptr;           // [B * H, Da, Dc]
+  void* end_vector = nullptr;          // like start_vector
+  const void* out_bias = nullptr;      // [B * H, Dc], added to every output row (grad k, no normalize)
+
+  bool has_state_io() const { return start_state || start_vector || end_state || end_vector || out_bias; }
 };
 
 // What a, b and c are in each pass, element by element (r indexes a and b, m indexes c), and
@@ -167,7 +179,7 @@ struct SegmentWorkspace {
       const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
       const int64_t n = p.B * p.H * p.segments;
       w.state = at::empty({n * Da * Dc}, options);
-      w.key_sum = at::empty({P == Pass::Forward && p.normalize ? n * Da : 0}, options);
+      w.key_sum = at::empty({P == Pass::Forward && (p.normalize || p.end_vector) ? n * Da : 0}, options);
       w.extra = at::empty({P != Pass::Forward && p.normalize ? n * Dc : 0}, options);
       p.seg_state = w.state.data_ptr();
       p.seg_key_sum = w.key_sum.data_ptr();
