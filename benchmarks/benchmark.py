@@ -118,7 +118,7 @@ def main():
     }
     families = {}  # method name -> FAST_CAUSAL_ATTN_KERNEL while it is timed
     if args.families and device == "cuda":
-        for family in ("recurrent", "chunked"):
+        for family in ("recurrent", "chunked", "tensorcore"):
             methods[f"fca {family}"] = fast_causal_attn.causal_dot_product
             families[f"fca {family}"] = family
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
@@ -136,6 +136,8 @@ def main():
             bwd_bytes = B * H * L * (4 * E + 4 * M - E) * item  # read q k v dO, write dq dk dv
             floor = (fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3)
             cases = dict(methods)
+            if dtype not in (torch.float16, torch.bfloat16):
+                cases.pop("fca tensorcore", None)  # 16-bit inputs only
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             for name, fn in cases.items():

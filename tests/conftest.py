@@ -5,12 +5,14 @@ import torch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-# (device, CUDA kernel family): the default dispatch on each device, and the chunked family
-# forced on CUDA (FAST_CAUSAL_ATTN_KERNEL), so that both families meet the whole grid.
+# (device, CUDA kernel family): the default dispatch on each device, and the chunked and
+# tensor-core families forced on CUDA (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the
+# whole grid (a family takes only the shapes and dtypes it can run; the rest go the default way).
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
     pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
+    pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
 ]
 
 

@@ -84,11 +84,12 @@ __device__ __forceinline__ void load_vec(const acc_t* src, acc_t (&dst)[N]) {
   }
 }
 
-// Stages kRows x kWidth elements of one operand into shared memory rows of kStride: thread tid
-// loads column tid % kWidth of rows tid / kWidth + k * (kThreads / kWidth), kBatch loads in flight
-// before their stores.
-template <int kRows, int kWidth, int kStride, typename acc_t, typename Load>
-__device__ __forceinline__ void stage(acc_t* dst, Load load) {
+// Stages kRows x kWidth elements of one operand into shared memory rows of kStride, converted to
+// Dst: thread tid loads column tid % kWidth of rows tid / kWidth + k * (kThreads / kWidth), kBatch
+// loads in flight before their stores.
+template <int kRows, int kWidth, int kStride, typename Dst, typename Load>
+__device__ __forceinline__ void stage(Dst* dst, Load load) {
+  using Value = decltype(load(0, 0));
   static_assert(kThreads % kWidth == 0, "every thread keeps one column");
   constexpr int kRowStep = kThreads / kWidth;
   constexpr int kPerThread = kRows / kRowStep;
@@ -97,11 +98,11 @@ __device__ __forceinline__ void stage(acc_t* dst, Load load) {
   const int col = threadIdx.x % kWidth, row0 = threadIdx.x / kWidth;
 #pragma unroll 1
   for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
-    acc_t r[kBatch];
+    Value r[kBatch];
 #pragma unroll
     for (int kk = 0; kk < kBatch; ++kk) r[kk] = load(row0 + (k0 + kk) * kRowStep, col);
 #pragma unroll
-    for (int kk = 0; kk < kBatch; ++kk) dst[(row0 + (k0 + kk) * kRowStep) * kStride + col] = r[kk];
+    for (int kk = 0; kk < kBatch; ++kk) dst[(row0 + (k0 + kk) * kRowStep) * kStride + col] = static_cast<Dst>(r[kk]);
   }
 }
 
