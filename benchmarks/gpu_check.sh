@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh                 # every stage
 #   STAGES="build tests" bash benchmarks/gpu_check.sh
-#   STAGES="build decode" ...   # the decoding-step benchmark (needs state support on CUDA)
+#   STAGES="build decode" ...   # the decoding-step benchmark
+#   STAGES="build diag" ...     # toolchain, and which bad inputs crash instead of raising (backtrace)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back).
 set -u -o pipefail
@@ -27,6 +28,19 @@ if has build; then
   fi
   echo "build: $(( $(date +%s) - start )) s"
   grep -h -A2 "Compiling entry" build/*/*.log 2>/dev/null | grep -E "spill" | sort | uniq -c | head -5
+fi
+
+if has diag; then  # the toolchain and a native backtrace of any crashing error path
+  g++ --version | head -1; nvcc --version | tail -1; python -c "import sys; print('python', sys.version.split()[0])"
+  so=$(python -c "import fast_causal_attn._C as m; print(m.__file__)")
+  ldd "$so" | grep -E "stdc\+\+|libgcc|libc10|libtorch" | sed 's/^/  /'
+  python benchmarks/error_probe.py 2>&1 | tee "$OUT/error_probe.log"
+  first=$(grep -m1 -E "exit +-" "$OUT/error_probe.log" | sed -E 's/^\[([0-9]+)\].*/\1/')
+  debugger=$(command -v cuda-gdb || command -v gdb || true)
+  if [[ -n "$first" && -n "$debugger" ]]; then
+    "$debugger" -batch -ex run -ex bt --args python benchmarks/error_probe.py --case "$first" >"$OUT/crash_bt.log" 2>&1
+    grep -E "^#" "$OUT/crash_bt.log" | head -30
+  fi
 fi
 
 if has tests; then

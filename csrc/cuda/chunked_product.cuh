@@ -106,6 +106,47 @@ __device__ __forceinline__ void stage(Dst* dst, Load load) {
   }
 }
 
+// Stages one chunk, timesteps [t0, t0 + n): a (when with_a), b and c, converted to Dst, and the
+// extra row's a and b; rows past the chunk, Da or the block's columns are zero.
+template <int C, int DA, int NB, int kAB, int kCS, typename Dst, typename Extra, typename Ops>
+__device__ __forceinline__ void stage_chunk(Dst* a_s, Dst* b_s, Dst* c_s, Extra* extra_a_s, Extra* extra_b_s,
+                                            const Ops& ops, int64_t t0, int n, int64_t Da, int64_t m0, int cols,
+                                            bool with_a, bool extra_row) {
+  using acc_t = decltype(ops.a_at(0, 0));
+  if (with_a) {
+    stage<C, DA, kAB>(a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
+  }
+  stage<C, DA, kAB>(b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
+  stage<C, NB, kCS>(c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
+  const int tid = threadIdx.x;
+  if (extra_row && tid < C) {
+    extra_a_s[tid] = tid < n ? Extra(ops.extra_a(t0 + tid)) : Extra(0);
+    extra_b_s[tid] = tid < n ? Extra(ops.extra_b(t0 + tid)) : Extra(0);
+  }
+}
+
+// out[ii][nn] += sum_{k < K} x[row_ii][k] y[k][col_nn], rows ty + G ii of x (row stride ldx),
+// columns tx kVec + nn of y (row stride ldy): the micro-tile step of every product here.
+template <int K, int TP, int kVec, int G, typename acc_t>
+__device__ __forceinline__ void accumulate_product(acc_t (&out)[TP][kVec], const acc_t* x, int ldx, const acc_t* y,
+                                                   int ldy, int ty, int tx) {
+#pragma unroll 1
+  for (int k = 0; k < K; k += kVec) {
+    acc_t xv[TP][kVec];
+#pragma unroll
+    for (int ii = 0; ii < TP; ++ii) load_vec(x + (ty + G * ii) * ldx + k, xv[ii]);
+#pragma unroll
+    for (int u = 0; u < kVec; ++u) {
+      acc_t yv[kVec];
+      load_vec(y + (k + u) * ldy + tx * kVec, yv);
+#pragma unroll
+      for (int ii = 0; ii < TP; ++ii)
+#pragma unroll
+        for (int nn = 0; nn < kVec; ++nn) out[ii][nn] += xv[ii][u] * yv[nn];
+    }
+  }
+}
+
 }  // namespace chunked
 
 // Blocks per multiprocessor the register budget is set for: as many as shared memory allows, up to
@@ -171,43 +212,19 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
     for (int nn = 0; nn < kVec; ++nn) state[kk][nn] = acc_t(0);
   acc_t key_sum = acc_t(0), extra_state = acc_t(0);
 
-  if (p.segments > 1 && !state_only) {  // start from the segments before this one (after, in reverse)
-    const int64_t first = kReverse ? segment + 1 : 0;
-    const int64_t last = kReverse ? p.segments : segment;
-    const acc_t* seg_state = static_cast<const acc_t*>(p.seg_state);
-    for (int64_t j = first; j < last; ++j) {
-      const int64_t base = pair * p.segments + j;
-#pragma unroll
-      for (int kk = 0; kk < TK; ++kk) {
-        const int row = ty * TK + kk;
-#pragma unroll
-        for (int nn = 0; nn < kVec; ++nn) {
-          const int col = tx * kVec + nn;
-          if (row < Da && col < cols) state[kk][nn] += seg_state[(base * Da + row) * Dc + m0 + col];
-        }
-      }
-      if (track_key_sum && tid < Da) key_sum += static_cast<const acc_t*>(p.seg_key_sum)[base * Da + tid];
-      if (extra_row && tid < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[base * Dc + m0 + tid];
-    }
-  }
-  if (!state_only && p.start_state != nullptr) {  // the given starting state, added to every segment's
-    const acc_t* start = static_cast<const acc_t*>(p.start_state);
+  if (!state_only) {  // start from the segments before this one (after, in reverse) and the given start
+    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
 #pragma unroll
     for (int kk = 0; kk < TK; ++kk) {
       const int row = ty * TK + kk;
 #pragma unroll
       for (int nn = 0; nn < kVec; ++nn) {
-        const int64_t col = m0 + tx * kVec + nn;
-        if (row < Da && col < Dc) {
-          state[kk][nn] += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
-        }
+        const int col = tx * kVec + nn;
+        if (row < Da && col < cols) state[kk][nn] = start.state(row, m0 + col);
       }
     }
-  }
-  if (!state_only && p.start_vector != nullptr) {
-    const acc_t* start = static_cast<const acc_t*>(p.start_vector);
-    if (track_key_sum && tid < Da) key_sum += start[pair * Da + tid];
-    if (extra_row && tid < cols) extra_state += start[pair * Dc + m0 + tid];
+    if (track_key_sum && tid < Da) key_sum = start.key_sum(tid);
+    if (extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
   auto publish_state = [&] {  // the state entering the next chunk, for its A S product
 #pragma unroll
@@ -226,20 +243,9 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
     const int64_t t0 = seg_begin + (kReverse ? chunks - 1 - it : it) * C;
     const int n = int(seg_end - t0 < C ? seg_end - t0 : C);
 
-    // Stage the chunk, converted to the accumulation type; rows past the chunk, Da or Dc are zero.
     __syncthreads();  // every thread is done with the previous chunk
-    if (!state_only) {
-      chunked::stage<C, DA, S::kAB>(
-          a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
-    }
-    chunked::stage<C, DA, S::kAB>(
-        b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
-    chunked::stage<C, NB, S::kCS>(
-        c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
-    if (extra_row && tid < C) {
-      extra_a_s[tid] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
-      extra_b_s[tid] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
-    }
+    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
+                                                    !state_only, extra_row);
     __syncthreads();
 
     if (!state_only) {
@@ -297,36 +303,8 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
       for (int ii = 0; ii < TP; ++ii)
 #pragma unroll
         for (int nn = 0; nn < kVec; ++nn) out[ii][nn] = acc_t(0);
-#pragma unroll 1
-      for (int s = 0; s < C; s += kVec) {
-        acc_t pv[TP][kVec];
-#pragma unroll
-        for (int ii = 0; ii < TP; ++ii) chunked::load_vec(p_s + (ty + G * ii) * S::kPS + s, pv[ii]);
-#pragma unroll
-        for (int u = 0; u < kVec; ++u) {
-          acc_t cv[kVec];
-          chunked::load_vec(c_s + (s + u) * S::kCS + tx * kVec, cv);
-#pragma unroll
-          for (int ii = 0; ii < TP; ++ii)
-#pragma unroll
-            for (int nn = 0; nn < kVec; ++nn) out[ii][nn] += pv[ii][u] * cv[nn];
-        }
-      }
-#pragma unroll 1
-      for (int k = 0; k < DA; k += kVec) {
-        acc_t av[TP][kVec];
-#pragma unroll
-        for (int ii = 0; ii < TP; ++ii) chunked::load_vec(a_s + (ty + G * ii) * S::kAB + k, av[ii]);
-#pragma unroll
-        for (int u = 0; u < kVec; ++u) {
-          acc_t sv[kVec];
-          chunked::load_vec(s_s + (k + u) * S::kCS + tx * kVec, sv);
-#pragma unroll
-          for (int ii = 0; ii < TP; ++ii)
-#pragma unroll
-            for (int nn = 0; nn < kVec; ++nn) out[ii][nn] += av[ii][u] * sv[nn];
-        }
-      }
+      chunked::accumulate_product<C, TP, kVec, G>(out, p_s, S::kPS, c_s, S::kCS, ty, tx);
+      chunked::accumulate_product<DA, TP, kVec, G>(out, a_s, S::kAB, s_s, S::kCS, ty, tx);
 #pragma unroll
       for (int ii = 0; ii < TP; ++ii) {
         const int i = ty + G * ii;
@@ -369,39 +347,20 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
     }
   }
 
-  if (state_only) {
-    const int64_t base = pair * p.segments + segment;
-    acc_t* seg_state = static_cast<acc_t*>(p.seg_state);
+  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
+  if (end.state != nullptr) {
 #pragma unroll
     for (int kk = 0; kk < TK; ++kk) {
       const int row = ty * TK + kk;
 #pragma unroll
       for (int nn = 0; nn < kVec; ++nn) {
         const int col = tx * kVec + nn;
-        if (row < Da && col < cols) seg_state[(base * Da + row) * Dc + m0 + col] = state[kk][nn];
+        if (row < Da && col < cols) end.state[row * Dc + m0 + col] = state[kk][nn];
       }
-    }
-    if (track_key_sum && tid < Da && col_tile == 0) static_cast<acc_t*>(p.seg_key_sum)[base * Da + tid] = key_sum;
-    if (extra_row && tid < cols) static_cast<acc_t*>(p.seg_extra)[base * Dc + m0 + tid] = extra_state;
-  } else if (segment == (kReverse ? 0 : p.segments - 1)) {  // the last segment in time order ends the pass
-    if (p.end_state != nullptr) {
-      acc_t* end = static_cast<acc_t*>(p.end_state);
-#pragma unroll
-      for (int kk = 0; kk < TK; ++kk) {
-        const int row = ty * TK + kk;
-#pragma unroll
-        for (int nn = 0; nn < kVec; ++nn) {
-          const int col = tx * kVec + nn;
-          if (row < Da && col < cols) end[(pair * Da + row) * Dc + m0 + col] = state[kk][nn];
-        }
-      }
-    }
-    if (p.end_vector != nullptr) {
-      acc_t* end = static_cast<acc_t*>(p.end_vector);
-      if (track_key_sum && tid < Da && col_tile == 0) end[pair * Da + tid] = key_sum;
-      if (extra_row && tid < cols) end[pair * Dc + m0 + tid] = extra_state;
     }
   }
+  if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
+  if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
 }
 
 // The low-occupancy threshold of this family: segments are added while the launch has fewer
@@ -432,16 +391,7 @@ void launch_chunked(const KernelParams& params, int64_t Da, int64_t Dc, cudaStre
       2 * pairs * col_tiles > slots ? 1 : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
 
-  const int64_t blocks = pairs * col_tiles * p.segments;
-  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
-  if (p.segments > 1) {
-    KernelParams sums = p;
-    sums.state_only = true;
-    kernel<<<dim3(unsigned(blocks)), dim3(chunked::kThreads), smem, stream>>>(sums, Da, Dc, col_tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  kernel<<<dim3(unsigned(blocks)), dim3(chunked::kThreads), smem, stream>>>(p, Da, Dc, col_tiles);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_segmented(kernel, p, pairs * col_tiles * p.segments, chunked::kThreads, smem, stream, Da, Dc, col_tiles);
 }
 
 // The head-dim bucket: the state's Da rows (a and b's width), up to kMaxChunkedRows.

@@ -189,5 +189,90 @@ struct SegmentWorkspace {
   }
 };
 
+// Where a block of a pass starts, element by element: the sums of the segments before it (after
+// it, in reverse) plus the pass's given start (see with_state_io in dispatch.cuh). Not for the
+// state-only launch, which starts from zero. row < Da, col < Dc (global column).
+template <typename acc_t>
+struct SegmentStart {
+  const KernelParams& p;
+  int64_t pair, first, last, Da, Dc;
+
+  __device__ SegmentStart(const KernelParams& params, int64_t pair_, int64_t segment, int64_t Da_, int64_t Dc_,
+                          bool reverse)
+      : p(params), pair(pair_), first(reverse ? segment + 1 : 0), last(reverse ? params.segments : segment),
+        Da(Da_), Dc(Dc_) {}
+
+  __device__ acc_t state(int64_t row, int64_t col) const {
+    acc_t value = acc_t(0);
+    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
+      value += static_cast<const acc_t*>(p.seg_state)[((pair * p.segments + j) * Da + row) * Dc + col];
+    }
+    if (p.start_state != nullptr) {
+      const acc_t* start = static_cast<const acc_t*>(p.start_state);
+      value += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
+    }
+    return value;
+  }
+  __device__ acc_t key_sum(int64_t row) const {  // forward
+    acc_t value = acc_t(0);
+    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
+      value += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + j) * Da + row];
+    }
+    if (p.start_vector != nullptr) value += static_cast<const acc_t*>(p.start_vector)[pair * Da + row];
+    return value;
+  }
+  __device__ acc_t extra(int64_t col) const {  // gradients of q and k under normalize
+    acc_t value = acc_t(0);
+    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
+      value += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + col];
+    }
+    if (p.start_vector != nullptr) value += static_cast<const acc_t*>(p.start_vector)[pair * Dc + col];
+    return value;
+  }
+};
+
+// Where a block writes the state it ends with: its segment's slots in the workspace (state-only
+// launch), or the pass's end state and vector when it holds the last segment in time order;
+// nullptr where nothing is written. state is [Da, Dc] (global columns), key_sum [Da], extra [Dc].
+template <typename acc_t>
+struct SegmentEnd {
+  acc_t* state = nullptr;
+  acc_t* key_sum = nullptr;
+  acc_t* extra = nullptr;
+
+  __device__ SegmentEnd(const KernelParams& p, int64_t pair, int64_t segment, int64_t Da, int64_t Dc, bool reverse,
+                        bool forward) {
+    if (p.state_only) {
+      const int64_t base = pair * p.segments + segment;
+      state = static_cast<acc_t*>(p.seg_state) + base * Da * Dc;
+      key_sum = static_cast<acc_t*>(p.seg_key_sum) + base * Da;
+      extra = static_cast<acc_t*>(p.seg_extra) + base * Dc;
+    } else if (segment == (reverse ? 0 : p.segments - 1)) {
+      if (p.end_state != nullptr) state = static_cast<acc_t*>(p.end_state) + pair * Da * Dc;
+      if (p.end_vector != nullptr && forward) key_sum = static_cast<acc_t*>(p.end_vector) + pair * Da;
+      if (p.end_vector != nullptr && !forward) extra = static_cast<acc_t*>(p.end_vector) + pair * Dc;
+    }
+  }
+};
+
+// Launches a segmented pass: with more than one segment, first the state-only launch that sums
+// each segment's state, then the pass itself. Both with the kernel's (params, Da, Dc, col_tiles).
+template <typename Kernel>
+void launch_segmented(Kernel kernel, const KernelParams& p, int64_t blocks, int threads, size_t smem,
+                      cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  if (p.segments > 1) {
+    KernelParams sums = p;
+    sums.state_only = true;
+    kernel<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(sums, Da, Dc, col_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  kernel<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(p, Da, Dc, col_tiles);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace cuda
 }  // namespace fast_causal_attn

@@ -364,21 +364,9 @@ void launch_recurrent(const KernelParams& params, int64_t Da, int64_t Dc, cudaSt
                                            p.L, kMinTilesPerSegment * kSteps);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, kSteps, Da, Dc);
 
-  const int64_t blocks = pairs * col_tiles * p.slabs * p.segments;
-  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   const size_t smem = SmemLayout<ROWS, GROUPS, NC>::kElements * sizeof(acc_t);
-  auto kernel = recurrent_product_kernel<P, scalar_t, ROWS, GROUPS, NC>;
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  }
-  if (p.segments > 1) {
-    KernelParams sums = p;
-    sums.state_only = true;
-    kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(sums, Da, Dc, col_tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, Da, Dc, col_tiles);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_segmented(recurrent_product_kernel<P, scalar_t, ROWS, GROUPS, NC>, p, pairs * col_tiles * p.slabs * p.segments,
+                   kThreads, smem, stream, Da, Dc, col_tiles);
 
   if (p.slabs > 1) {
     constexpr int kFinishThreads = 256;

@@ -128,36 +128,15 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
 
   // The starting state: the segments before this one (after, in reverse) and the given start, built
   // in the float scratch, then loaded into this warp's accumulator tiles.
-  for (int e = tid; e < DA * NB; e += kThreads) {
-    const int row = e / NB, col = e % NB;
-    float value = 0.f;
-    if (row < Da && col < cols && !state_only) {
-      if (p.segments > 1) {
-        const int64_t first = kReverse ? segment + 1 : 0, last = kReverse ? p.segments : segment;
-        for (int64_t j = first; j < last; ++j) {
-          value += static_cast<const acc_t*>(p.seg_state)[((pair * p.segments + j) * Da + row) * Dc + m0 + col];
-        }
-      }
-      if (p.start_state != nullptr) {
-        const acc_t* start = static_cast<const acc_t*>(p.start_state);
-        value += p.start_transposed ? start[(pair * Dc + m0 + col) * Da + row] : start[(pair * Da + row) * Dc + m0 + col];
-      }
-    }
-    scratch[row * S::kOF + col] = value;
-  }
   float key_sum = 0.f, extra_state = 0.f;  // thread tid's entries: key_sum[tid] (< DA), extra_state[tid] (< NB)
-  if (!state_only) {
-    const int64_t first = kReverse ? segment + 1 : 0, last = kReverse ? p.segments : segment;
-    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
-      const int64_t base = pair * p.segments + j;
-      if (track_key_sum && tid < Da) key_sum += static_cast<const acc_t*>(p.seg_key_sum)[base * Da + tid];
-      if (extra_row && tid < cols) extra_state += static_cast<const acc_t*>(p.seg_extra)[base * Dc + m0 + tid];
+  {
+    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
+    for (int e = tid; e < DA * NB; e += kThreads) {
+      const int row = e / NB, col = e % NB;
+      scratch[row * S::kOF + col] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
     }
-    if (p.start_vector != nullptr) {
-      const acc_t* start = static_cast<const acc_t*>(p.start_vector);
-      if (track_key_sum && tid < Da) key_sum += start[pair * Da + tid];
-      if (extra_row && tid < cols) extra_state += start[pair * Dc + m0 + tid];
-    }
+    if (!state_only && track_key_sum && tid < Da) key_sum = start.key_sum(tid);
+    if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
   __syncthreads();
   AccFrag state[kStateTiles];  // tile t = warp + kWarps * j: rows (t / kColTiles) * 16, columns (t % kColTiles) * 16
@@ -185,18 +164,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     const int n = int(seg_end - t0 < C ? seg_end - t0 : C);
 
     __syncthreads();  // the previous chunk is done with every buffer
-    if (!state_only) {
-      chunked::stage<C, DA, S::kAB>(
-          a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
-    }
-    chunked::stage<C, DA, S::kAB>(
-        b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
-    chunked::stage<C, NB, S::kCS>(
-        c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
-    if (extra_row && tid < C) {
-      extra_a_s[tid] = tid < n ? ops.extra_a(t0 + tid) : 0.f;
-      extra_b_s[tid] = tid < n ? ops.extra_b(t0 + tid) : 0.f;
-    }
+    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
+                                                    !state_only, extra_row);
     __syncthreads();
 
     if (!state_only) {
@@ -315,26 +284,15 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
   }
   __syncthreads();  // the scratch holds the final state
 
-  const bool ends = state_only || segment == (kReverse ? 0 : p.segments - 1);
-  if (ends) {
-    const int64_t base = pair * p.segments + segment;
-    acc_t* state_out = state_only ? static_cast<acc_t*>(p.seg_state) + base * Da * Dc
-                                  : static_cast<acc_t*>(p.end_state) + (p.end_state ? pair * Da * Dc : 0);
-    if (state_only || p.end_state != nullptr) {
-      for (int e = tid; e < DA * NB; e += kThreads) {
-        const int row = e / NB, col = e % NB;
-        if (row < Da && col < cols) state_out[row * Dc + m0 + col] = scratch[row * S::kOF + col];
-      }
-    }
-    acc_t* vector_out = state_only ? nullptr : static_cast<acc_t*>(p.end_vector);
-    if (state_only) {
-      if (track_key_sum && tid < Da && col_tile == 0) static_cast<acc_t*>(p.seg_key_sum)[base * Da + tid] = key_sum;
-      if (extra_row && tid < cols) static_cast<acc_t*>(p.seg_extra)[base * Dc + m0 + tid] = extra_state;
-    } else if (vector_out != nullptr) {
-      if (track_key_sum && tid < Da && col_tile == 0) vector_out[pair * Da + tid] = key_sum;
-      if (extra_row && tid < cols) vector_out[pair * Dc + m0 + tid] = extra_state;
+  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
+  if (end.state != nullptr) {
+    for (int e = tid; e < DA * NB; e += kThreads) {
+      const int row = e / NB, col = e % NB;
+      if (row < Da && col < cols) end.state[row * Dc + m0 + col] = scratch[row * S::kOF + col];
     }
   }
+  if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
+  if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
 }
 
 template <Pass P, typename scalar_t, int DA>
@@ -356,16 +314,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
       2 * pairs * col_tiles > slots ? 1 : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
 
-  const int64_t blocks = pairs * col_tiles * p.segments;
-  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
-  if (p.segments > 1) {
-    KernelParams sums = p;
-    sums.state_only = true;
-    kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(sums, Da, Dc, col_tiles);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  kernel<<<dim3(unsigned(blocks)), dim3(kThreads), smem, stream>>>(p, Da, Dc, col_tiles);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 }
 
 constexpr int64_t kMaxTensorCoreRows = 128;
