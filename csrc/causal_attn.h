@@ -32,13 +32,13 @@ struct Sequence {
   int64_t state;  // sequence * H + head: the [.., H, ..] state's row
 
   template <typename Params>
-  static Sequence of(const Params& p, int64_t index) {  // index in [0, num_seqs * H)
+  C10_HOST_DEVICE static Sequence of(const Params& p, int64_t index) {  // index in [0, num_seqs * H)
     const int64_t seq = index / p.H, h = index % p.H;
     if (p.cu_seqlens == nullptr) return {seq, h, 0, p.L, index};
     return {0, h, p.cu_seqlens[seq], p.cu_seqlens[seq + 1] - p.cu_seqlens[seq], index};
   }
   // Offset of timestep t of this sequence in a contiguous [B, H, L] array (den).
-  int64_t row(int64_t L, int64_t H, int64_t t) const { return (b * H + h) * L + begin + t; }
+  C10_HOST_DEVICE int64_t row(int64_t L, int64_t H, int64_t t) const { return (b * H + h) * L + begin + t; }
 };
 
 // O[t] = q'[t] (S0 + sum_{s<=t} k[s] v[s]^T), q' = scale * q, optionally divided by

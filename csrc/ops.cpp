@@ -6,6 +6,7 @@
 #include <Python.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -173,6 +174,7 @@ at::Tensor checked_cu_seqlens(const at::Tensor& cu, const at::Tensor& q, int64_t
 // forward and the backward take them alike.
 struct Sequences {
   at::Tensor offsets;  // cu_seqlens as int64 on the CPU, or undefined
+  at::Tensor kernel_offsets;  // the same on q's device, for the kernels
   int64_t count = 0;   // N: the state's first dimension
   StateShapes shapes;
   at::Tensor kv0, k_sum0;  // the initial state, contiguous, or undefined
@@ -184,7 +186,7 @@ struct Sequences {
 
   void fill(ForwardParams& p) const {
     if (offsets.defined()) {
-      p.cu_seqlens = offsets.data_ptr<int64_t>();
+      p.cu_seqlens = kernel_offsets.data_ptr<int64_t>();
       p.num_seqs = count;
     }
     if (kv0.defined()) {
@@ -198,7 +200,10 @@ Sequences checked_sequences(const at::Tensor& q, const at::Tensor& qb, const at:
                             const c10::optional<at::Tensor>& cu_seqlens, const c10::optional<at::Tensor>& initial_kv,
                             const c10::optional<at::Tensor>& initial_k_sum) {
   Sequences s;
-  if (cu_seqlens.has_value()) s.offsets = checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2));
+  if (cu_seqlens.has_value()) {
+    s.offsets = checked_cu_seqlens(*cu_seqlens, q, qb.size(0), qb.size(2));
+    s.kernel_offsets = q.is_cpu() ? s.offsets : s.offsets.to(q.device());
+  }
   s.count = s.offsets.defined() ? s.offsets.size(0) - 1 : qb.size(0);
   s.shapes = state_shapes(qb, vb, s.count);
   if (initial_kv.has_value()) {
@@ -215,15 +220,20 @@ void check_state_pair(const c10::optional<at::Tensor>& kv, const c10::optional<a
               " needs both kv and k_sum, got only ", kv.has_value() ? "kv" : "k_sum");
 }
 
-// On CUDA only the chunked kernels carry states, and their buckets hold head dims up to 256.
+// On CUDA only the chunked kernels take states and packed sequences, and their buckets hold head
+// dims up to 256.
 void check_state_backend(const at::Tensor& q, const at::Tensor& v, bool uses_state, bool uses_cu_seqlens) {
   constexpr int64_t kMaxCudaStateDim = 256;  // kMaxChunkedRows in csrc/cuda/chunked_product.cuh
   const int64_t E = q.size(-1), M = v.size(-1);
-  TORCH_CHECK(!uses_state || !q.is_cuda() || (E <= kMaxCudaStateDim && M <= kMaxCudaStateDim),
-              "fast_causal_attn: initial_state and return_final_state on CUDA support head dims up to ",
-              kMaxCudaStateDim, ", got E = ", E, ", M = ", M);
-  TORCH_CHECK(!uses_cu_seqlens || q.device().is_cpu(), "fast_causal_attn: cu_seqlens is not supported on ",
-              q.device().type(), " yet; it runs on the CPU");
+  TORCH_CHECK(!(uses_state || uses_cu_seqlens) || !q.is_cuda() || (E <= kMaxCudaStateDim && M <= kMaxCudaStateDim),
+              "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ", kMaxCudaStateDim,
+              ", got E = ", E, ", M = ", M);
+  // The CUDA kernels take packed sequences, but have not run on a GPU yet: until the GPU tests have
+  // passed they are opt-in (FAST_CAUSAL_ATTN_CUDA_VARLEN=1), and the CPU is the supported path.
+  const char* opt_in = std::getenv("FAST_CAUSAL_ATTN_CUDA_VARLEN");
+  TORCH_CHECK(!uses_cu_seqlens || q.device().is_cpu() || (opt_in != nullptr && std::string(opt_in) == "1"),
+              "fast_causal_attn: cu_seqlens is not supported on ", q.device().type(),
+              " yet; it runs on the CPU (FAST_CAUSAL_ATTN_CUDA_VARLEN=1 tries the untested CUDA kernels)");
 }
 
 }  // namespace

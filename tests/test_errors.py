@@ -83,8 +83,9 @@ import torch, fast_causal_attn
 cases = [
     (dict(eps=-1.0, normalize=True), 4, 4, "eps must be finite and > 0, got -1"),
     (dict(scale=float("nan")), 4, 4, "scale must be finite, got nan"),
-    (dict(return_final_state=True), 257, 4, "on CUDA support head dims up to 256, got E = 257, M = 4"),
+    (dict(return_final_state=True), 257, 4, "states and cu_seqlens on CUDA support head dims up to 256, got E = 257, M = 4"),
     (dict(layout="bshd"), 4, 4, "layout must be 'bhld'"),
+    (dict(cu_seqlens=torch.tensor([0, 8], device="cuda")), 4, 4, "cu_seqlens is not supported on cuda yet"),
 ]
 for kwargs, E, M, message in cases:
     q, k = torch.rand(1, 1, 8, E, device="cuda"), torch.rand(1, 1, 8, E, device="cuda")

@@ -4,35 +4,44 @@ import pytest
 import torch
 
 import fast_causal_attn
+from conftest import DEVICES
 from reference import make_inputs, make_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
+
+@pytest.fixture(autouse=True)
+def cuda_varlen_opt_in(monkeypatch):
+    """The CUDA kernels' packed sequences are opt-in until these tests have passed on a GPU."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_CUDA_VARLEN", "1")
+
 LENGTHS = [5, 0, 64, 1, 33]  # an empty sequence and one of a single step on purpose
 
 
-def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7):
+def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7, device="cpu"):
     total = sum(lengths)
-    q, k, v = make_inputs(1, H, total, E, M, dtype=dtype, device="cpu", layout=layout, normalize=normalize)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    q, k, v = make_inputs(1, H, total, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return q, k, v, cu
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_packed_equals_each_sequence_alone(layout, normalize, dtype):
-    q, k, v, cu = packed_case(layout, normalize, dtype)
+def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device):
+    q, k, v, cu = packed_case(layout, normalize, dtype, device=device)
     N, H, E, M = len(LENGTHS), 2, 6, 7
-    state0 = make_state(N, H, E, M, dtype, normalize)
+    state0 = [x.to(device) for x in make_state(N, H, E, M, dtype, normalize)]
     kw = dict(scale=0.8, normalize=normalize, layout=layout)
 
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, *state0)]
     out, state1 = fast_causal_attn.causal_linear_attention(
         *leaves[:3], initial_state=leaves[3:], return_final_state=True, cu_seqlens=cu, **kw)
-    w = torch.randn(out.shape, dtype=torch.float64)
-    wkv, wks = torch.randn(state1.kv.shape, dtype=torch.float64), torch.randn(state1.k_sum.shape, dtype=torch.float64)
+    w = torch.randn(out.shape, dtype=torch.float64).to(device)
+    wkv = torch.randn(state1.kv.shape, dtype=torch.float64).to(device)
+    wks = torch.randn(state1.k_sum.shape, dtype=torch.float64).to(device)
     ((out.double() * w).sum() + (state1.kv.double() * wkv).sum() + (state1.k_sum.double() * wks).sum()).backward()
 
     t = time_dim(layout)
@@ -51,8 +60,9 @@ def test_packed_equals_each_sequence_alone(layout, normalize, dtype):
             assert relative_error(packed, single) <= tolerance, (i, j)
 
 
-def test_int64_offsets_and_no_state():
-    q, k, v, cu = packed_case("blhd", True, torch.float64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_int64_offsets_and_no_state(device):
+    q, k, v, cu = packed_case("blhd", True, torch.float64, device=device)
     out32 = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, layout="blhd", cu_seqlens=cu)
     out64 = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, layout="blhd", cu_seqlens=cu.long())
     torch.testing.assert_close(out32, out64, rtol=0, atol=0)

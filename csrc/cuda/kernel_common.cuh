@@ -81,15 +81,17 @@ struct Operands {
   const acc_t* den;       // [L] in the gradients under normalize, else nullptr
   const acc_t* grad_den;  // [L] in the gradients of q and k under normalize, else nullptr
 
-  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_)
-      : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, 0)),
-        k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0)),
-        v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, 0)),
-        dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, 0)),
+  // Timestep s of the operands is timestep t_begin + s of the tensors (a packed sequence's start).
+  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_,
+                      int64_t t_begin = 0)
+      : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, t_begin)),
+        k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, t_begin)),
+        v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, t_begin)),
+        dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t_begin)),
         q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
         scale(acc_t(p.scale)), den(den_), grad_den(grad_den_) {
     const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
-    out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, 0);
+    out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, t_begin);
     out_l = o.stride_l;
   }
 
@@ -177,7 +179,7 @@ struct SegmentWorkspace {
     SegmentWorkspace w;
     if (p.segments > 1) {
       const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
-      const int64_t n = p.B * p.H * p.segments;
+      const int64_t n = p.num_seqs * p.H * p.segments;
       w.state = at::empty({n * Da * Dc}, options);
       w.key_sum = at::empty({P == Pass::Forward && (p.normalize || p.end_vector) ? n * Da : 0}, options);
       w.extra = at::empty({P != Pass::Forward && p.normalize ? n * Dc : 0}, options);

@@ -112,19 +112,21 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
   const int64_t segment = index % p.segments;
   index /= p.segments;
   const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
-  const int64_t b = pair / p.H, h = pair % p.H;
+  const Sequence seq = Sequence::of(p, pair);  // a batch entry, or one of the packed sequences
+  const int64_t b = seq.b, h = seq.h;
   const int64_t m0 = col_tile * NB;
   const int cols = int(Dc - m0 < NB ? Dc - m0 : NB);
-  const int64_t L = p.L;
+  const int64_t L = seq.length;
+  const int64_t den_row = seq.row(p.L, p.H, 0);  // this sequence's first row of den [B, H, L]
   const bool state_only = p.state_only;
   const bool normalize = p.normalize;
   const bool extra_row = Traits::kMayHaveExtraRow && normalize;
   const bool denominator = Traits::kMayHaveDenominator && normalize;
   const bool track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
   const acc_t* den_in =
-      (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
-  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
-  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den);
+      (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
+  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + den_row : nullptr;
+  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den, seq.begin);
 
   // The starting state: the segments before this one (after, in reverse) and the given start, built
   // in the float scratch, then loaded into this warp's accumulator tiles.
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
         if (part == 0) {
           d += float(p.eps);
           den_s[i] = d;
-          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[pair * L + t0 + i] = d;
+          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[den_row + t0 + i] = d;
         }
       }
       __syncthreads();
@@ -300,7 +302,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   using namespace tensorcore;
   using acc_t = float;
   KernelParams p = params;
-  const int64_t pairs = p.B * p.H;
+  const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
   const size_t smem = Layout<DA>::total;
@@ -310,8 +312,10 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   int resident = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
-  const int64_t segments =
-      2 * pairs * col_tiles > slots ? 1 : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
+  // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence.
+  const int64_t segments = (p.cu_seqlens != nullptr || 2 * pairs * col_tiles > slots)
+                               ? 1
+                               : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
 
   launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
