@@ -136,8 +136,8 @@ def main():
             bwd_bytes = B * H * L * (4 * E + 4 * M - E) * item  # read q k v dO, write dq dk dv
             floor = (fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3)
             cases = dict(methods)
-            if dtype not in (torch.float16, torch.bfloat16):
-                cases.pop("fca tensorcore", None)  # 16-bit inputs only
+            if dtype == torch.float64:
+                cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             for name, fn in cases.items():

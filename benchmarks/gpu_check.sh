@@ -65,5 +65,8 @@ fi
 if has decode; then
   python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode.log" | tail -12
   status=$(( status | $? ))
+  echo "with the decoding-step kernel (FAST_CAUSAL_ATTN_KERNEL=decode):"
+  FAST_CAUSAL_ATTN_KERNEL=decode python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode_kernel.log" | tail -8
+  status=$(( status | $? ))
 fi
 exit $status

@@ -167,5 +167,5 @@ def test_unknown_kernel_family_is_an_error(device, monkeypatch):
     host side reaches Python as an exception)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_KERNEL", "tiled")
     q, k, v = make_inputs(1, 1, 8, 4, 4, dtype=torch.float32, device=device)
-    with pytest.raises(RuntimeError, match="FAST_CAUSAL_ATTN_KERNEL must be 'recurrent', 'chunked' or 'tensorcore', got 'tiled'"):
+    with pytest.raises(RuntimeError, match="FAST_CAUSAL_ATTN_KERNEL must be 'recurrent', 'chunked', 'tensorcore' or 'decode', got 'tiled'"):
         fast_causal_attn.causal_linear_attention(q, k, v)

@@ -184,3 +184,53 @@ def test_state_under_torch_compile():
     want = torch.autograd.grad(step(*leaves), leaves)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+# The decoding step (L = 1 from a state): the CPU's dedicated path, the default CUDA path, and the
+# CUDA decoding-step kernel (forced until it is the default).
+DECODE_PATHS = [
+    pytest.param("cpu", None, id="cpu"),
+    pytest.param("cuda", None, id="cuda", marks=CUDA),
+    pytest.param("cuda", "decode", id="cuda-decode", marks=CUDA),
+]
+
+
+@pytest.mark.parametrize("device,kernel", DECODE_PATHS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("with_initial", [True, False], ids=["from-state", "from-zero"])
+def test_decode_step_matches_reference(with_initial, layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
+    B, H, E, M = 3, 2, 40, 70  # more columns than a warp, more rows than the warps
+    q, k, v = make_inputs(B, H, 1, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    state0 = make_state(B, H, E, M, dtype, normalize) if with_initial else None
+    if state0 is not None:
+        state0 = fast_causal_attn.State(*(x.to(device) for x in state0))
+    out, state1 = fast_causal_attn.causal_linear_attention(
+        q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.7, normalize=normalize, layout=layout)
+    assert relative_error(out, ref_out) <= TOLERANCE[dtype]
+    state_tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(state1.kv, ref_kv) <= state_tolerance
+    assert relative_error(state1.k_sum, ref_k_sum) <= state_tolerance
+
+
+@pytest.mark.parametrize("device,kernel", DECODE_PATHS)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_gradcheck_decode_step(normalize, device, kernel, use_kernel):
+    """The backward of a decoding step, from the denominator its forward saved."""
+    use_kernel(kernel)
+    B, H, E, M = 1, 2, 3, 4
+    q, k, v = make_inputs(B, H, 1, E, M, dtype=torch.float64, device=device, normalize=normalize)
+    if normalize:
+        q, k = q + 0.1, k + 0.1
+    kv0, k_sum0 = (x.to(device) for x in make_state(B, H, E, M, torch.float64, normalize))
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
+
+    def f(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(
+            q, k, v, scale=0.8, normalize=normalize, initial_state=(kv0, k_sum0), return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)

@@ -55,7 +55,12 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
 void launch_forward_cuda(const ForwardParams& params) {
   KernelParams p;
   static_cast<ForwardParams&>(p) = params;
-  run_forward_pass(p, c10::cuda::getCurrentCUDAStream());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (p.L == 1 && p.cu_seqlens == nullptr && forced_family() == Family::Decode) {
+    run_decode_step(p, stream);
+  } else {
+    run_forward_pass(p, stream);
+  }
 }
 
 void launch_backward_cuda(const BackwardParams& params) {

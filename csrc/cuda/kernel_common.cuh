@@ -257,6 +257,9 @@ struct SegmentEnd {
   }
 };
 
+// The forward of one timestep from a state (csrc/cuda/decode_step.cu).
+void run_decode_step(const KernelParams& p, cudaStream_t stream);
+
 // Launches a segmented pass: with more than one segment, first the state-only launch that sums
 // each segment's state, then the pass itself. Both with the kernel's (params, Da, Dc, col_tiles).
 template <typename Kernel>

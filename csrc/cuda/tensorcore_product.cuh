@@ -1,17 +1,22 @@
-// The chunked family on tensor cores, for float16 and bfloat16 inputs: the same per-chunk products
-// as chunked_product.cuh (P = mask(A B^T), out = P Cc + A S, S += B^T Cc), each on 16 x 16 x 16
-// WMMA tiles with float32 accumulation.
+// The chunked family on tensor cores: the same per-chunk products as chunked_product.cuh
+// (P = mask(A B^T), out = P Cc + A S, S += B^T Cc), each on 16 x 16 WMMA tiles with float32
+// accumulation; float16/bfloat16 inputs take one 16-bit MMA per step, float32 inputs three TF32
+// MMAs (3xTF32, float32-level accuracy; see MmaPolicy).
 //
-//   - A, B and Cc are staged in the input dtype (A and B after the pass's scaling, rounded once);
+//   - A, B and Cc are staged in shared memory in the input dtype (A and B after the pass's
+//     scaling, rounded once);
 //   - the state S is kept in float32 accumulator fragments, each warp owning DA / 32 of its 16 x 16
-//     tiles, and published each chunk as a 16-bit copy for the A S product (as fla keeps its state);
+//     tiles, and published each chunk as a copy in the input dtype for the A S product (as fla
+//     keeps its state);
 //   - the masked scores P go through float32 shared memory (masking, the normalizer's row sums,
-//     the extra row of the normalized gradients) and on as a 16-bit tile for P Cc;
+//     the extra row of the normalized gradients) and on in the input dtype for P Cc;
 //   - outputs go through float32 shared memory, where the normalizer divides them.
-// Blocks own one (batch, head), NB = 64 columns of c and one time segment, as in the chunked family.
+// Blocks own one (sequence, head), NB = 64 columns of c and one time segment, as in the chunked
+// family.
 //
-// Not yet on the default path: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects it for 16-bit inputs
-// with head dims up to 128 (see dispatch.cuh) until it has been measured on the device.
+// Not yet on the default path: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects it for float16,
+// bfloat16 and float32 inputs with head dims up to 128 (see dispatch.cuh) until it has been
+// measured on the device.
 #pragma once
 
 #include <mma.h>
@@ -33,70 +38,122 @@ constexpr int kTile = 16;  // WMMA tile edge
 constexpr int C = 64;      // timesteps per chunk
 constexpr int NB = 64;     // columns of c per block
 
-// WMMA's element types for torch's 16-bit types (same bits).
+// How the products run for each input dtype. float16 and bfloat16 stay 16-bit in shared memory and
+// take one 16x16x16 MMA per tile step. float32 stays float32 and takes three 16x16x8 TF32 MMAs
+// (3xTF32: each operand split into a TF32 head and a TF32 tail, tail x tail dropped), which keeps
+// the products at float32's accuracy while they run on tensor cores.
 template <typename scalar_t>
-using mma_t = std::conditional_t<std::is_same_v<scalar_t, at::Half>, __half, __nv_bfloat16>;
+struct MmaPolicy {  // float16, bfloat16
+  using Storage = scalar_t;
+  using Element = std::conditional_t<std::is_same_v<scalar_t, at::Half>, __half, __nv_bfloat16>;  // same bits
+  using Pointer = const Element*;
+  static constexpr int kK = 16;
+  static constexpr bool kSplit = false;
+};
+template <>
+struct MmaPolicy<float> {
+  using Storage = float;
+  using Element = nvcuda::wmma::precision::tf32;
+  using Pointer = const float*;
+  static constexpr int kK = 8;
+  static constexpr bool kSplit = true;
+};
 
-// Shared memory, in bytes from the start. 16-bit rows are padded by 8 elements (16 bytes) and
-// float rows by 4, so that the 8 rows a WMMA load reads at once fall in different banks; every
-// tile starts 32-byte aligned, as WMMA loads ask.
-template <int DA>
+// acc += a b, as the policy says.
+template <typename Policy, typename FragA, typename FragB, typename FragAcc>
+__device__ __forceinline__ void mma(FragAcc& acc, FragA& a, FragB& b) {
+  using namespace nvcuda;
+  if constexpr (Policy::kSplit) {
+    FragA a_tail;
+    FragB b_tail;
+#pragma unroll
+    for (int i = 0; i < a.num_elements; ++i) {
+      const float head = wmma::__float_to_tf32(a.x[i]);
+      a_tail.x[i] = wmma::__float_to_tf32(a.x[i] - head);
+      a.x[i] = head;
+    }
+#pragma unroll
+    for (int i = 0; i < b.num_elements; ++i) {
+      const float head = wmma::__float_to_tf32(b.x[i]);
+      b_tail.x[i] = wmma::__float_to_tf32(b.x[i] - head);
+      b.x[i] = head;
+    }
+    wmma::mma_sync(acc, a_tail, b, acc);  // the small terms first
+    wmma::mma_sync(acc, a, b_tail, acc);
+    wmma::mma_sync(acc, a, b, acc);
+  } else {
+    wmma::mma_sync(acc, a, b, acc);
+  }
+}
+
+// Shared memory, in bytes from the start. Rows are padded by 16 bytes (8 16-bit or 4 float
+// elements) so that the 8 rows a WMMA load reads at once fall in different banks; every tile
+// starts 32-byte aligned, as WMMA loads ask.
+template <int DA, typename Storage>
 struct Layout {
-  static constexpr int kAB = DA + 8;  // row strides, 16-bit
-  static constexpr int kCS = NB + 8;
-  static constexpr int kPH = C + 8;
-  static constexpr int kSH = NB + 8;
-  static constexpr int kPF = C + 4;   // row strides, float
+  static constexpr int kPad = 16 / int(sizeof(Storage));
+  static constexpr int kAB = DA + kPad;  // row strides, in Storage elements
+  static constexpr int kCS = NB + kPad;
+  static constexpr int kPH = C + kPad;
+  static constexpr int kSH = NB + kPad;
+  static constexpr int kPF = C + 4;      // row strides, float
   static constexpr int kOF = NB + 4;
   static constexpr int kScratch = (C * kPF + C * kOF > DA * kOF) ? C * kPF + C * kOF : DA * kOF;
+  static constexpr size_t kElem = sizeof(Storage);
 
-  static constexpr size_t a = 0;                          // [C][kAB] 16-bit
-  static constexpr size_t b = a + size_t(C) * kAB * 2;    // [C][kAB]
-  static constexpr size_t c = b + size_t(C) * kAB * 2;    // [C][kCS]
-  static constexpr size_t p_half = c + size_t(C) * kCS * 2;       // [C][kPH]: masked scores
-  static constexpr size_t s_half = p_half + size_t(C) * kPH * 2;  // [DA][kSH]: the state entering the chunk
+  static constexpr size_t a = 0;                                    // [C][kAB]
+  static constexpr size_t b = a + size_t(C) * kAB * kElem;          // [C][kAB]
+  static constexpr size_t c = b + size_t(C) * kAB * kElem;          // [C][kCS]
+  static constexpr size_t p_masked = c + size_t(C) * kCS * kElem;   // [C][kPH]: masked scores
+  static constexpr size_t s_copy = p_masked + size_t(C) * kPH * kElem;  // [DA][kSH]: the state entering the chunk
   // Float scratch: the scores [C][kPF] then the outputs [C][kOF]; the whole of it holds the state
   // [DA][kOF] while it is published.
-  static constexpr size_t scratch = s_half + size_t(DA) * kSH * 2;
+  static constexpr size_t scratch = s_copy + size_t(DA) * kSH * kElem;
   static constexpr size_t extra_a = scratch + size_t(kScratch) * 4;  // [C] float
   static constexpr size_t extra_b = extra_a + C * 4;                 // [C]
   static constexpr size_t extra_state = extra_b + C * 4;             // [NB]
   static constexpr size_t key_sum = extra_state + NB * 4;            // [DA]
   static constexpr size_t den = key_sum + DA * 4;                    // [C]
   static constexpr size_t total = den + C * 4;
-  static_assert(a % 32 == 0 && b % 32 == 0 && c % 32 == 0 && p_half % 32 == 0 && s_half % 32 == 0 &&
+  static_assert(a % 32 == 0 && b % 32 == 0 && c % 32 == 0 && p_masked % 32 == 0 && s_copy % 32 == 0 &&
                     scratch % 32 == 0,
                 "WMMA tiles start 32-byte aligned");
   static_assert(DA % 32 == 0, "each warp owns DA / 32 tiles of the state");
 };
 
+// Two blocks a multiprocessor where shared memory allows it (128 registers a thread), else one.
+template <int DA, typename Storage>
+constexpr int kMinBlocks = Layout<DA, Storage>::total <= 113 * 1024 ? 2 : 1;
+
 }  // namespace tensorcore
 
-// Two blocks a multiprocessor (shared memory allows it up to DA = 128): 128 registers a thread.
 template <Pass P, typename scalar_t, int DA>
-__global__ void __launch_bounds__(tensorcore::kThreads, 2)
+__global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<DA, scalar_t>)
     tensorcore_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using namespace nvcuda;
   using namespace tensorcore;
   using acc_t = float;
-  using T = mma_t<scalar_t>;
+  using Policy = MmaPolicy<scalar_t>;
+  using Storage = typename Policy::Storage;
   using Traits = PassTraits<P>;
-  using S = Layout<DA>;
+  using S = Layout<DA, Storage>;
   constexpr bool kReverse = Traits::kReverse;
+  constexpr int kK = Policy::kK;  // the MMA's depth
   constexpr int kChunkTiles = C / kTile, kColTiles = NB / kTile, kRowTiles = DA / kTile;
   constexpr int kStateTiles = kRowTiles * kColTiles / kWarps;  // per warp
-  using AccFrag = wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float>;
-  using RowA = wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::row_major>;
-  using ColA = wmma::fragment<wmma::matrix_a, kTile, kTile, kTile, T, wmma::col_major>;
-  using RowB = wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::row_major>;
-  using ColB = wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major>;
+  using Element = typename Policy::Element;
+  using AccFrag = wmma::fragment<wmma::accumulator, kTile, kTile, kK, float>;
+  using RowA = wmma::fragment<wmma::matrix_a, kTile, kTile, kK, Element, wmma::row_major>;
+  using ColA = wmma::fragment<wmma::matrix_a, kTile, kTile, kK, Element, wmma::col_major>;
+  using RowB = wmma::fragment<wmma::matrix_b, kTile, kTile, kK, Element, wmma::row_major>;
+  using ColB = wmma::fragment<wmma::matrix_b, kTile, kTile, kK, Element, wmma::col_major>;
 
   extern __shared__ __align__(128) unsigned char tc_smem_raw[];
-  scalar_t* a_s = reinterpret_cast<scalar_t*>(tc_smem_raw + S::a);
-  scalar_t* b_s = reinterpret_cast<scalar_t*>(tc_smem_raw + S::b);
-  scalar_t* c_s = reinterpret_cast<scalar_t*>(tc_smem_raw + S::c);
-  scalar_t* p_half = reinterpret_cast<scalar_t*>(tc_smem_raw + S::p_half);
-  scalar_t* s_half = reinterpret_cast<scalar_t*>(tc_smem_raw + S::s_half);
+  Storage* a_s = reinterpret_cast<Storage*>(tc_smem_raw + S::a);
+  Storage* b_s = reinterpret_cast<Storage*>(tc_smem_raw + S::b);
+  Storage* c_s = reinterpret_cast<Storage*>(tc_smem_raw + S::c);
+  Storage* p_masked = reinterpret_cast<Storage*>(tc_smem_raw + S::p_masked);
+  Storage* s_copy = reinterpret_cast<Storage*>(tc_smem_raw + S::s_copy);
   float* scratch = reinterpret_cast<float*>(tc_smem_raw + S::scratch);
   float* p_f = scratch;                // [C][kPF]
   float* o_f = scratch + C * S::kPF;   // [C][kOF]
@@ -105,7 +162,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
   float* extra_state_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_state);
   float* key_sum_s = reinterpret_cast<float*>(tc_smem_raw + S::key_sum);
   float* den_s = reinterpret_cast<float*>(tc_smem_raw + S::den);
-  auto as_mma = [](scalar_t* x) { return reinterpret_cast<const T*>(x); };
+  auto as_mma = [](Storage* x) { return reinterpret_cast<typename Policy::Pointer>(x); };
 
   const int tid = threadIdx.x, warp = tid / kWarp;
   int64_t index = blockIdx.x;
@@ -148,15 +205,15 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     wmma::load_matrix_sync(state[j], scratch + (t / kColTiles) * kTile * S::kOF + (t % kColTiles) * kTile, S::kOF,
                            wmma::mem_row_major);
   }
-  // The 16-bit copy of the state and the vectors, for the first chunk.
-  auto publish_vectors_and_half_state = [&] {
+  // The copy of the state in the input dtype and the vectors, for the first chunk.
+  auto publish_vectors_and_state_copy = [&] {
     for (int e = tid; e < DA * NB; e += kThreads) {
-      s_half[(e / NB) * S::kSH + e % NB] = static_cast<scalar_t>(scratch[(e / NB) * S::kOF + e % NB]);
+      s_copy[(e / NB) * S::kSH + e % NB] = static_cast<Storage>(scratch[(e / NB) * S::kOF + e % NB]);
     }
     if (tid < DA) key_sum_s[tid] = key_sum;
     if (tid < NB) extra_state_s[tid] = extra_state;
   };
-  publish_vectors_and_half_state();
+  publish_vectors_and_state_copy();
 
   const int64_t seg_begin = segment * p.segment_len;
   const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
@@ -178,12 +235,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
         AccFrag acc;
         wmma::fill_fragment(acc, 0.f);
 #pragma unroll 2
-        for (int k = 0; k < kRowTiles; ++k) {
+        for (int k = 0; k < DA; k += kK) {
           RowA fa;
           ColB fb;  // B^T: element (k, j) of the tile is b[j][k]
-          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k * kTile), S::kAB);
-          wmma::load_matrix_sync(fb, as_mma(b_s + tj * kTile * S::kAB + k * kTile), S::kAB);
-          wmma::mma_sync(acc, fa, fb, acc);
+          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k), S::kAB);
+          wmma::load_matrix_sync(fb, as_mma(b_s + tj * kTile * S::kAB + k), S::kAB);
+          mma<Policy>(acc, fa, fb);
         }
         wmma::store_matrix_sync(p_f + ti * kTile * S::kPF + tj * kTile, acc, S::kPF, wmma::mem_row_major);
       }
@@ -195,7 +252,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
         const bool keep = kReverse ? j >= i : j <= i;
         float value = keep ? p_f[i * S::kPF + j] : 0.f;
         if (keep && extra_row) value += extra_a_s[i] * extra_b_s[j];
-        p_half[i * S::kPH + j] = static_cast<scalar_t>(value);
+        p_masked[i * S::kPH + j] = static_cast<Storage>(value);
       }
       if (denominator) {  // eps + the row sum of the float scores + a . key_sum; 4 threads a row
         constexpr int kPerRow = kThreads / C;
@@ -219,20 +276,20 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
         AccFrag acc;
         wmma::fill_fragment(acc, 0.f);
         const int k_first = kReverse ? ti : 0, k_last = kReverse ? kChunkTiles - 1 : ti;
-        for (int k = k_first; k <= k_last; ++k) {
+        for (int k = k_first * kTile; k < (k_last + 1) * kTile; k += kK) {
           RowA fa;
           RowB fb;
-          wmma::load_matrix_sync(fa, as_mma(p_half + ti * kTile * S::kPH + k * kTile), S::kPH);
-          wmma::load_matrix_sync(fb, as_mma(c_s + k * kTile * S::kCS + tn * kTile), S::kCS);
-          wmma::mma_sync(acc, fa, fb, acc);
+          wmma::load_matrix_sync(fa, as_mma(p_masked + ti * kTile * S::kPH + k), S::kPH);
+          wmma::load_matrix_sync(fb, as_mma(c_s + k * S::kCS + tn * kTile), S::kCS);
+          mma<Policy>(acc, fa, fb);
         }
 #pragma unroll 2
-        for (int k = 0; k < kRowTiles; ++k) {
+        for (int k = 0; k < DA; k += kK) {
           RowA fa;
           RowB fb;
-          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k * kTile), S::kAB);
-          wmma::load_matrix_sync(fb, as_mma(s_half + k * kTile * S::kSH + tn * kTile), S::kSH);
-          wmma::mma_sync(acc, fa, fb, acc);
+          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k), S::kAB);
+          wmma::load_matrix_sync(fb, as_mma(s_copy + k * S::kSH + tn * kTile), S::kSH);
+          mma<Policy>(acc, fa, fb);
         }
         wmma::store_matrix_sync(o_f + ti * kTile * S::kOF + tn * kTile, acc, S::kOF, wmma::mem_row_major);
       }
@@ -243,12 +300,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     for (int j = 0; j < kStateTiles; ++j) {
       const int t = warp + kWarps * j, rt = t / kColTiles, ct = t % kColTiles;
 #pragma unroll 2
-      for (int k = 0; k < kChunkTiles; ++k) {
+      for (int k = 0; k < C; k += kK) {
         ColA fa;  // B^T: element (r, s) of the tile is b[s][r]
         RowB fb;
-        wmma::load_matrix_sync(fa, as_mma(b_s + k * kTile * S::kAB + rt * kTile), S::kAB);
-        wmma::load_matrix_sync(fb, as_mma(c_s + k * kTile * S::kCS + ct * kTile), S::kCS);
-        wmma::mma_sync(state[j], fa, fb, state[j]);
+        wmma::load_matrix_sync(fa, as_mma(b_s + k * S::kAB + rt * kTile), S::kAB);
+        wmma::load_matrix_sync(fb, as_mma(c_s + k * S::kCS + ct * kTile), S::kCS);
+        mma<Policy>(state[j], fa, fb);
       }
     }
     if (track_key_sum && tid < DA) {
@@ -257,7 +314,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     if (extra_row && tid < NB) {
       for (int t = 0; t < C; ++t) extra_state += extra_b_s[t] * static_cast<float>(c_s[t * S::kCS + tid]);
     }
-    __syncthreads();  // outputs complete in o_f; every read of s_half done
+    __syncthreads();  // outputs complete in o_f; every read of s_copy done
 
     if (!state_only) {
       for (int e = tid; e < C * NB; e += kThreads) {
@@ -272,7 +329,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     }
 
     // Publish the state for the next chunk (and the end): float tiles into the scratch, then the
-    // 16-bit copy.
+    // copy in the input dtype.
 #pragma unroll
     for (int j = 0; j < kStateTiles; ++j) {
       const int t = warp + kWarps * j;
@@ -281,7 +338,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, 2)
     }
     if (!state_only) {
       __syncthreads();
-      publish_vectors_and_half_state();
+      publish_vectors_and_state_copy();
     }
   }
   __syncthreads();  // the scratch holds the final state
@@ -305,7 +362,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
-  const size_t smem = Layout<DA>::total;
+  const size_t smem = Layout<DA, typename MmaPolicy<scalar_t>::Storage>::total;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
@@ -323,10 +380,14 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
 
 constexpr int64_t kMaxTensorCoreRows = 128;
 
-// 16-bit inputs, the state's rows (Da) up to kMaxTensorCoreRows.
+template <typename scalar_t>
+constexpr bool kTensorCoreInput =
+    std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>;
+
+// float16, bfloat16 and float32 inputs, the state's rows (Da) up to kMaxTensorCoreRows.
 template <Pass P, typename scalar_t>
 void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+  if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 32) {
       launch_tensorcore<P, scalar_t, 32>(p, Da, Dc, stream);
     } else if (Da <= 64) {
@@ -335,7 +396,7 @@ void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t 
       launch_tensorcore<P, scalar_t, 128>(p, Da, Dc, stream);
     }
   } else {
-    TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16 and bfloat16 inputs");
+    TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16, bfloat16 and float32 inputs");
   }
 }
 
