@@ -79,11 +79,9 @@ def test_pieces_equal_whole(layout, normalize, dtype, device):
         assert relative_error(b, a) <= tol, f"{name}: pieces {splits} differ from the whole sequence"
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_gradcheck_with_state(layout, normalize, device):
-    B, H, L, E, M = 1, 2, 40, 3, 4
+def gradcheck_with_state(L, layout, normalize, device):
+    """gradcheck in float64 through q, k, v and the initial state into out and the final state."""
+    B, H, E, M = 1, 2, 3, 4
     q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device=device, layout=layout, normalize=normalize)
     if normalize:
         q, k = q + 0.1, k + 0.1
@@ -97,6 +95,13 @@ def test_gradcheck_with_state(layout, normalize, device):
         return out, state.kv, state.k_sum
 
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_gradcheck_with_state(layout, normalize, device):
+    gradcheck_with_state(40, layout, normalize, device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -221,16 +226,4 @@ def test_decode_step_matches_reference(with_initial, layout, normalize, dtype, d
 def test_gradcheck_decode_step(normalize, device, kernel, use_kernel):
     """The backward of a decoding step, from the denominator its forward saved."""
     use_kernel(kernel)
-    B, H, E, M = 1, 2, 3, 4
-    q, k, v = make_inputs(B, H, 1, E, M, dtype=torch.float64, device=device, normalize=normalize)
-    if normalize:
-        q, k = q + 0.1, k + 0.1
-    kv0, k_sum0 = (x.to(device) for x in make_state(B, H, E, M, torch.float64, normalize))
-    inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
-
-    def f(q, k, v, kv0, k_sum0):
-        out, state = fast_causal_attn.causal_linear_attention(
-            q, k, v, scale=0.8, normalize=normalize, initial_state=(kv0, k_sum0), return_final_state=True)
-        return out, state.kv, state.k_sum
-
-    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+    gradcheck_with_state(1, "bhld", normalize, device)

@@ -147,6 +147,44 @@ __device__ __forceinline__ void accumulate_product(acc_t (&out)[TP][kVec], const
   }
 }
 
+// What a block of a chunked kernel works on, from its index: grid.x = ((sequence * heads + head) *
+// column tiles + column tile) * segments + segment. Its (sequence, head), its nb columns of c
+// from m0, its time segment, and the flags of its pass.
+template <Pass P, typename scalar_t>
+struct BlockWork {
+  using acc_t = at::opmath_type<scalar_t>;
+  int64_t segment, col_tile, pair;
+  Sequence seq;      // a batch entry, or one of the packed sequences
+  int64_t m0;
+  int cols;          // columns of c this block owns: min(nb, Dc - m0)
+  int64_t L;         // the sequence's timesteps
+  int64_t den_row;   // the sequence's first row of den [B, H, L]
+  bool state_only, extra_row, denominator, track_key_sum;
+
+  __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc) {
+    int64_t index = blockIdx.x;
+    segment = index % p.segments;
+    index /= p.segments;
+    col_tile = index % col_tiles;
+    pair = index / col_tiles;
+    seq = Sequence::of(p, pair);
+    m0 = col_tile * nb;
+    cols = int(Dc - m0 < nb ? Dc - m0 : nb);
+    L = seq.length;
+    den_row = seq.row(p.L, p.H, 0);
+    state_only = p.state_only;
+    extra_row = PassTraits<P>::kMayHaveExtraRow && p.normalize;
+    denominator = PassTraits<P>::kMayHaveDenominator && p.normalize;
+    track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
+  }
+
+  __device__ Operands<P, scalar_t, acc_t> operands(const KernelParams& p) const {
+    const acc_t* den = (p.normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
+    const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + den_row : nullptr;
+    return Operands<P, scalar_t, acc_t>(p, seq.b, seq.h, den, grad_den, seq.begin);
+  }
+};
+
 }  // namespace chunked
 
 // Blocks per multiprocessor the register budget is set for: as many as shared memory allows, up to
@@ -185,25 +223,12 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int ty = (warp / 2) * 4 + lane / 8, tx = (warp % 2) * 8 + lane % 8;
   static_assert(G == 16 && chunked::kThreads == 8 * kWarp, "the warp tiling assumes a 16 x 16 grid of 8 warps");
-  int64_t index = blockIdx.x;
-  const int64_t segment = index % p.segments;
-  index /= p.segments;
-  const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
-  const Sequence seq = Sequence::of(p, pair);  // a batch entry, or one of the packed sequences
-  const int64_t b = seq.b, h = seq.h;
-  const int64_t m0 = col_tile * NB;
-  const int cols = int(Dc - m0 < NB ? Dc - m0 : NB);
-  const int64_t L = seq.length;
-  const int64_t den_row = seq.row(p.L, p.H, 0);  // this sequence's first row of den [B, H, L]
-  const bool state_only = p.state_only;
-  const bool normalize = p.normalize;
-  const bool extra_row = Traits::kMayHaveExtraRow && normalize;
-  const bool denominator = Traits::kMayHaveDenominator && normalize;
-  const bool track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
-  const acc_t* den_in =
-      (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
-  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + den_row : nullptr;
-  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den, seq.begin);
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, NB, Dc);
+  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0, L = work.L;
+  const int cols = work.cols;
+  const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
+  const bool track_key_sum = work.track_key_sum;
+  const Operands<P, scalar_t, acc_t> ops = work.operands(p);
 
   // This thread's corner of the state: rows ty * TK + kk, columns tx * kVec + nn. Thread tid also
   // keeps key_sum[tid] (tid < DA) and extra_state[tid] (tid < NB).
@@ -294,7 +319,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
         if (part == 0) {
           d += acc_t(p.eps);
           den_s[i] = d;
-          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[den_row + t0 + i] = d;
+          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[work.den_row + t0 + i] = d;
         }
         __syncthreads();
       }

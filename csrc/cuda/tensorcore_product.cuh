@@ -165,25 +165,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<D
   auto as_mma = [](Storage* x) { return reinterpret_cast<typename Policy::Pointer>(x); };
 
   const int tid = threadIdx.x, warp = tid / kWarp;
-  int64_t index = blockIdx.x;
-  const int64_t segment = index % p.segments;
-  index /= p.segments;
-  const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
-  const Sequence seq = Sequence::of(p, pair);  // a batch entry, or one of the packed sequences
-  const int64_t b = seq.b, h = seq.h;
-  const int64_t m0 = col_tile * NB;
-  const int cols = int(Dc - m0 < NB ? Dc - m0 : NB);
-  const int64_t L = seq.length;
-  const int64_t den_row = seq.row(p.L, p.H, 0);  // this sequence's first row of den [B, H, L]
-  const bool state_only = p.state_only;
-  const bool normalize = p.normalize;
-  const bool extra_row = Traits::kMayHaveExtraRow && normalize;
-  const bool denominator = Traits::kMayHaveDenominator && normalize;
-  const bool track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
-  const acc_t* den_in =
-      (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
-  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + den_row : nullptr;
-  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den, seq.begin);
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, NB, Dc);
+  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0, L = work.L;
+  const int cols = work.cols;
+  const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
+  const bool track_key_sum = work.track_key_sum;
+  const Operands<P, scalar_t, acc_t> ops = work.operands(p);
 
   // The starting state: the segments before this one (after, in reverse) and the given start, built
   // in the float scratch, then loaded into this warp's accumulator tiles.
@@ -265,7 +252,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<D
         if (part == 0) {
           d += float(p.eps);
           den_s[i] = d;
-          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[den_row + t0 + i] = d;
+          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[work.den_row + t0 + i] = d;
         }
       }
       __syncthreads();
