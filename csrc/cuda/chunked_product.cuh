@@ -159,6 +159,7 @@ struct BlockWork {
   int cols;          // columns of c this block owns: min(nb, Dc - m0)
   int64_t L;         // the sequence's timesteps
   int64_t den_row;   // the sequence's first row of den [B, H, L]
+  int64_t seg_begin, seg_end;  // the segment's timesteps of the sequence
   bool state_only, extra_row, denominator, track_key_sum;
 
   __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc) {
@@ -172,11 +173,21 @@ struct BlockWork {
     cols = int(Dc - m0 < nb ? Dc - m0 : nb);
     L = seq.length;
     den_row = seq.row(p.L, p.H, 0);
+    seg_begin = segment * p.segment_len;
+    seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
     state_only = p.state_only;
     extra_row = PassTraits<P>::kMayHaveExtraRow && p.normalize;
     denominator = PassTraits<P>::kMayHaveDenominator && p.normalize;
     track_key_sum = denominator || (P == Pass::Forward && p.end_vector != nullptr);
   }
+
+  // The segment's chunks of C timesteps, walked forward (backward in reverse): chunk `it` of
+  // `chunks` starts at chunk_begin(it, ...) and holds chunk_len(t0) timesteps.
+  __device__ int64_t chunk_count(int C) const { return seg_end > seg_begin ? (seg_end - seg_begin + C - 1) / C : 0; }
+  __device__ int64_t chunk_begin(int64_t it, int64_t chunks, int C) const {
+    return seg_begin + (PassTraits<P>::kReverse ? chunks - 1 - it : it) * C;
+  }
+  __device__ int chunk_len(int64_t t0, int C) const { return int(seg_end - t0 < C ? seg_end - t0 : C); }
 
   __device__ Operands<P, scalar_t, acc_t> operands(const KernelParams& p) const {
     const acc_t* den = (p.normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
@@ -224,7 +235,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
   const int ty = (warp / 2) * 4 + lane / 8, tx = (warp % 2) * 8 + lane % 8;
   static_assert(G == 16 && chunked::kThreads == 8 * kWarp, "the warp tiling assumes a 16 x 16 grid of 8 warps");
   const chunked::BlockWork<P, scalar_t> work(p, col_tiles, NB, Dc);
-  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0, L = work.L;
+  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0;
   const int cols = work.cols;
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
@@ -263,12 +274,10 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
   };
   publish_state();
 
-  const int64_t seg_begin = segment * p.segment_len;
-  const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
-  const int64_t chunks = seg_end > seg_begin ? (seg_end - seg_begin + C - 1) / C : 0;
+  const int64_t chunks = work.chunk_count(C);
   for (int64_t it = 0; it < chunks; ++it) {
-    const int64_t t0 = seg_begin + (kReverse ? chunks - 1 - it : it) * C;
-    const int n = int(seg_end - t0 < C ? seg_end - t0 : C);
+    const int64_t t0 = work.chunk_begin(it, chunks, C);
+    const int n = work.chunk_len(t0, C);
 
     __syncthreads();  // every thread is done with the previous chunk
     chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,

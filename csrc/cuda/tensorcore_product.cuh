@@ -166,7 +166,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<D
 
   const int tid = threadIdx.x, warp = tid / kWarp;
   const chunked::BlockWork<P, scalar_t> work(p, col_tiles, NB, Dc);
-  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0, L = work.L;
+  const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0;
   const int cols = work.cols;
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
@@ -202,12 +202,10 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<D
   };
   publish_vectors_and_state_copy();
 
-  const int64_t seg_begin = segment * p.segment_len;
-  const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
-  const int64_t chunks = seg_end > seg_begin ? (seg_end - seg_begin + C - 1) / C : 0;
+  const int64_t chunks = work.chunk_count(C);
   for (int64_t it = 0; it < chunks; ++it) {
-    const int64_t t0 = seg_begin + (kReverse ? chunks - 1 - it : it) * C;
-    const int n = int(seg_end - t0 < C ? seg_end - t0 : C);
+    const int64_t t0 = work.chunk_begin(it, chunks, C);
+    const int n = work.chunk_len(t0, C);
 
     __syncthreads();  // the previous chunk is done with every buffer
     chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
