@@ -2,9 +2,11 @@
 
 Peers are never part of this repository: put their source in third_party/ (git-ignored) to have
 them built and timed beside ours, e.g. fast-transformers' causal_product_cpu.cpp and
-causal_product_cuda.cu in third_party/fast_transformers/.
+causal_product_cuda.cu in third_party/fast_transformers/, and flash-linear-attention's `fla`
+package (with the pure-Python packages it imports, such as einops) in third_party/.
 """
 import os
+import sys
 
 import torch
 
@@ -80,3 +82,22 @@ def _autograd_wrapper(module):
             return gq, gk, gv
 
     return CausalDotProduct.apply
+
+
+def fla_linear_attention(device):
+    """flash-linear-attention's chunk and fused_chunk linear attention as {name: fn}, fn(q, k, v)
+    on [B, L, H, D] inputs, scale 1, unnormalized (the issue's setting); {} off CUDA or when fla
+    cannot be imported (from an installed package or from third_party/)."""
+    if device != "cuda":
+        return {}
+    if os.path.isdir(os.path.join(THIRD_PARTY, "fla")) and THIRD_PARTY not in sys.path:
+        sys.path.insert(0, THIRD_PARTY)
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn, fused_chunk_linear_attn
+    except Exception as error:  # absent, or a dependency missing: time without it, and say so
+        print(f"fla not timed: {type(error).__name__}: {error}")
+        return {}
+    return {
+        "fla chunk": lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0],
+        "fla fused_chunk": lambda q, k, v: fused_chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0],
+    }

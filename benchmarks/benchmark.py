@@ -94,7 +94,7 @@ def main():
     parser.add_argument("--shapes", default=None,
                         help="semicolon-separated B,H,L,E,M shapes instead of the device's list, e.g. '2,4,8192,64,64'")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
-    parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers even when present")
+    parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers and fla even when present")
     parser.add_argument("--families", action="store_true",
                         help="on CUDA, also time each kernel family forced (FAST_CAUSAL_ATTN_KERNEL)")
     args = parser.parse_args()
@@ -122,6 +122,7 @@ def main():
             methods[f"fca {family}"] = fast_causal_attn.causal_dot_product
             families[f"fca {family}"] = family
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
+    fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
     rows = []
     header = f"{'dtype':9} {'B, H, L, E, M':>22} {'method':>22} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor fwd / fwd+bwd':>20}"
@@ -140,11 +141,14 @@ def main():
                 cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
+            cases.update(fla)
+            blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v, dout)] if fla else None
             for name, fn in cases.items():
                 if name in families:
                     os.environ["FAST_CAUSAL_ATTN_KERNEL"] = families[name]
                 try:
-                    fwd, fwd_bwd = timings(fn, q, k, v, dout, device, reps)
+                    inputs = blhd if name in fla else (q, k, v, dout)
+                    fwd, fwd_bwd = timings(fn, *inputs, device, reps)
                 finally:
                     os.environ.pop("FAST_CAUSAL_ATTN_KERNEL", None)
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
