@@ -249,18 +249,21 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
 #pragma unroll
     for (int nn = 0; nn < kVec; ++nn) state[kk][nn] = acc_t(0);
   acc_t key_sum = acc_t(0), extra_state = acc_t(0);
+  // visit(kk, nn, row, col) for each element of this thread's corner inside Da x cols.
+  auto for_each_in_corner = [&](auto&& visit) {
+#pragma unroll
+    for (int kk = 0; kk < TK; ++kk) {
+#pragma unroll
+      for (int nn = 0; nn < kVec; ++nn) {
+        const int row = ty * TK + kk, col = tx * kVec + nn;
+        if (row < Da && col < cols) visit(kk, nn, row, col);
+      }
+    }
+  };
 
   if (!state_only) {  // start from the segments before this one (after, in reverse) and the given start
     const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
-#pragma unroll
-    for (int kk = 0; kk < TK; ++kk) {
-      const int row = ty * TK + kk;
-#pragma unroll
-      for (int nn = 0; nn < kVec; ++nn) {
-        const int col = tx * kVec + nn;
-        if (row < Da && col < cols) state[kk][nn] = start.state(row, m0 + col);
-      }
-    }
+    for_each_in_corner([&](int kk, int nn, int row, int col) { state[kk][nn] = start.state(row, m0 + col); });
     if (track_key_sum && tid < Da) key_sum = start.key_sum(tid);
     if (extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
@@ -385,15 +388,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
 
   const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
   if (end.state != nullptr) {
-#pragma unroll
-    for (int kk = 0; kk < TK; ++kk) {
-      const int row = ty * TK + kk;
-#pragma unroll
-      for (int nn = 0; nn < kVec; ++nn) {
-        const int col = tx * kVec + nn;
-        if (row < Da && col < cols) end.state[row * Dc + m0 + col] = state[kk][nn];
-      }
-    }
+    for_each_in_corner([&](int kk, int nn, int row, int col) { end.state[row * Dc + m0 + col] = state[kk][nn]; });
   }
   if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;

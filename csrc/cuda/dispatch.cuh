@@ -73,8 +73,8 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   const int64_t Dc = a_is_e ? p.M : p.E;
   if (p.has_state_io() || p.cu_seqlens != nullptr) {  // only the chunked family takes states and packed sequences
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
-    TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to 256, ",
-                "got E = ", p.E, ", M = ", p.M);
+    TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",
+                int64_t(kMaxChunkedRows), ", got E = ", p.E, ", M = ", p.M);
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
     return;
   }
