@@ -7,6 +7,9 @@ cpp_extension honours them.
 """
 import glob
 import os
+import shlex
+import subprocess
+import sys
 
 import torch
 from setuptools import setup
@@ -34,6 +37,33 @@ def cxx_standard() -> str:
     return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
 
 
+def shared_cxx_runtime() -> list:
+    """Link arguments that keep libstdc++ shared, as torch has it.
+
+    A toolchain that finds only libstdc++.a (the H200 machine's /opt/gcc wrapper does: its
+    `-print-file-name=libstdc++.so` answers a bare name) copies a second C++ runtime into _C.so.
+    Two runtimes in one process crashed there (SIGSEGV in locale code) on the first error message
+    that formatted a number. Then the shared libstdc++ this process (torch) has loaded is named on
+    the link line, ahead of the compiler's own -lstdc++, so nothing is taken from the archive.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    compiler = shlex.split(os.environ.get("CXX", "c++"))
+    try:
+        found = subprocess.run(compiler + ["-print-file-name=libstdc++.so"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []  # the build itself will say what is wrong with the compiler
+    if os.path.isabs(found):
+        return []  # the toolchain links the shared runtime on its own
+    with open("/proc/self/maps") as maps:
+        loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    if not loaded:
+        raise RuntimeError(f"{compiler[0]} would link libstdc++ statically, and no shared libstdc++ is loaded "
+                           "to link instead; set CXX to a compiler that finds libstdc++.so")
+    return loaded[:1]
+
+
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
@@ -47,14 +77,14 @@ def extension():
             "fast_causal_attn._C",
             sources,
             extra_compile_args={"cxx": cxx + ["-DFAST_CAUSAL_ATTN_WITH_CUDA"], "nvcc": nvcc},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp"] + shared_cxx_runtime(),
             py_limited_api=True,
         )
     return CppExtension(
         "fast_causal_attn._C",
         sources,
         extra_compile_args={"cxx": cxx},
-        extra_link_args=["-fopenmp"],
+        extra_link_args=["-fopenmp"] + shared_cxx_runtime(),
         py_limited_api=True,
     )
 
