@@ -31,7 +31,7 @@ int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_
 
 namespace {
 
-// grad_den[t] = -(dO[t] . O[t]) / den[t]: the one reduction over M that the normalized gradients of
+// dout_dot_out[t] = dO[t] . O[t]: the one reduction over M that the normalized gradients of
 // q and k need per timestep (flash-attention's backward prepares its dO . O the same way).
 // One warp per (batch, head, timestep).
 template <typename scalar_t>
@@ -48,7 +48,7 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
 #pragma unroll
   for (int offset = kWarp / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
   if (lane == 0) {
-    static_cast<acc_t*>(p.grad_den)[row] = -dot / static_cast<const acc_t*>(p.den)[row];
+    static_cast<acc_t*>(p.dout_dot_out)[row] = dot;
   }
 }
 
@@ -67,11 +67,11 @@ void launch_backward_cuda(const BackwardParams& params) {
   KernelParams p;
   static_cast<BackwardParams&>(p) = params;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor grad_den;
+  at::Tensor dout_dot_out;
   if (p.normalize && p.L > 0) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
-    grad_den = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
-    p.grad_den = grad_den.data_ptr();
+    dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
+    p.dout_dot_out = dout_dot_out.data_ptr();
     constexpr int kThreads = 256;
     const int64_t blocks = (p.B * p.H * p.L * kWarp + kThreads - 1) / kThreads;
     TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: B * H * L too large: ", p.B * p.H * p.L);

@@ -191,8 +191,8 @@ struct BlockWork {
 
   __device__ Operands<P, scalar_t, acc_t> operands(const KernelParams& p) const {
     const acc_t* den = (p.normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + den_row : nullptr;
-    const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + den_row : nullptr;
-    return Operands<P, scalar_t, acc_t>(p, seq.b, seq.h, den, grad_den, seq.begin);
+    const acc_t* dout_dot_out = extra_row ? static_cast<const acc_t*>(p.dout_dot_out) + den_row : nullptr;
+    return Operands<P, scalar_t, acc_t>(p, seq.b, seq.h, den, dout_dot_out, seq.begin);
   }
 };
 

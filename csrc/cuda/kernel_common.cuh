@@ -20,8 +20,9 @@ constexpr int kWarp = 32;
 enum class Pass { Forward, GradQ, GradK, GradV };
 
 struct KernelParams : BackwardParams {
-  // -(dO[t] . O[t]) / den[t], made by backward_prepare_kernel when normalize.
-  void* grad_den = nullptr;  // [B, H, L] contiguous, accumulation dtype
+  // dO[t] . O[t], made by backward_prepare_kernel when normalize (the normalizer's gradient is
+  // -dout_dot_out[t] / den[t]).
+  void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
 
   // Head dims above the largest bucket split the state's rows into slabs, one block each; the
   // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel
@@ -78,30 +79,35 @@ struct Operands {
   scalar_t* out;                     // o, dq, dk or dv
   int64_t out_l;
   acc_t scale;
-  const acc_t* den;       // [L] in the gradients under normalize, else nullptr
-  const acc_t* grad_den;  // [L] in the gradients of q and k under normalize, else nullptr
+  const acc_t* den;           // [L] in the gradients under normalize, else nullptr
+  const acc_t* dout_dot_out;  // [L] in the gradients of q and k under normalize, else nullptr
 
   // Timestep s of the operands is timestep t_begin + s of the tensors (a packed sequence's start).
-  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* grad_den_,
+  __device__ Operands(const KernelParams& p, int64_t b, int64_t h, const acc_t* den_, const acc_t* dout_dot_out_,
                       int64_t t_begin = 0)
       : q(static_cast<const scalar_t*>(p.q.ptr) + p.q.offset(b, h, t_begin)),
         k(static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, t_begin)),
         v(static_cast<const scalar_t*>(p.v.ptr) + p.v.offset(b, h, t_begin)),
         dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t_begin)),
         q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
-        scale(acc_t(p.scale)), den(den_), grad_den(grad_den_) {
+        scale(acc_t(p.scale)), den(den_), dout_dot_out(dout_dot_out_) {
     const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
     out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, t_begin);
     out_l = o.stride_l;
   }
 
+  // Under normalize the gradient flowing into the numerator is dO[t] / den[t]. dO itself stays an
+  // operand as it is, and 1 / den[t] goes where it costs no rounding of its own: into dq at the
+  // store, and into the (already scaled) q of the dk and dv passes. Tensor-core families round
+  // their operands to 16 bits, so each rounding saved shows in float16/bfloat16 gradients.
   __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
-  __device__ acc_t grad(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]) * inv_den(s); }
+  __device__ acc_t scaled_q(int64_t s, int64_t j) const { return scale * acc_t(q[s * q_l + j]) * inv_den(s); }
+  __device__ acc_t dout_at(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]); }
 
   __device__ acc_t a_at(int64_t s, int64_t r) const {
     switch (P) {
       case Pass::Forward: return scale * acc_t(q[s * q_l + r]);
-      case Pass::GradQ: return grad(s, r);
+      case Pass::GradQ: return dout_at(s, r);
       case Pass::GradK: return acc_t(v[s * v_l + r]);
       case Pass::GradV: return acc_t(k[s * k_l + r]);
     }
@@ -111,8 +117,8 @@ struct Operands {
     switch (P) {
       case Pass::Forward: return acc_t(k[s * k_l + r]);
       case Pass::GradQ: return acc_t(v[s * v_l + r]);
-      case Pass::GradK: return grad(s, r);
-      case Pass::GradV: return scale * acc_t(q[s * q_l + r]);
+      case Pass::GradK: return dout_at(s, r);
+      case Pass::GradV: return scaled_q(s, r);
     }
     return acc_t(0);
   }
@@ -120,18 +126,19 @@ struct Operands {
     switch (P) {
       case Pass::Forward: return acc_t(v[s * v_l + m]);
       case Pass::GradQ: return acc_t(k[s * k_l + m]);
-      case Pass::GradK: return scale * acc_t(q[s * q_l + m]);
-      case Pass::GradV: return grad(s, m);
+      case Pass::GradK: return scaled_q(s, m);
+      case Pass::GradV: return dout_at(s, m);
     }
     return acc_t(0);
   }
-  // The extra row's a and b (normalize, gradients of q and k only).
-  __device__ acc_t extra_a(int64_t s) const { return P == Pass::GradQ ? grad_den[s] : acc_t(1); }
-  __device__ acc_t extra_b(int64_t s) const { return P == Pass::GradQ ? acc_t(1) : grad_den[s]; }
+  // The extra row's a and b (normalize, gradients of q and k only): the normalizer's gradient
+  // -dO[t] . O[t] / den[t], its 1 / den[t] placed as for dO above.
+  __device__ acc_t extra_a(int64_t s) const { return P == Pass::GradQ ? -dout_dot_out[s] : acc_t(1); }
+  __device__ acc_t extra_b(int64_t s) const { return P == Pass::GradQ ? acc_t(1) : -dout_dot_out[s]; }
 
   // denominator: the forward's normalizer at s (1 without normalize).
   __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
-    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value : value;
+    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value * inv_den(s) : value;
     out[s * out_l + m] = scalar_t(result);
   }
 };

@@ -137,8 +137,8 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   const bool denominator = Traits::kMayHaveDenominator && normalize;
   const acc_t* den_in =
       (normalize && P != Pass::Forward) ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
-  const acc_t* grad_den = extra_row ? static_cast<const acc_t*>(p.grad_den) + pair * L : nullptr;
-  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, grad_den);
+  const acc_t* dout_dot_out = extra_row ? static_cast<const acc_t*>(p.dout_dot_out) + pair * L : nullptr;
+  const Operands<P, scalar_t, acc_t> ops(p, b, h, den_in, dout_dot_out);
 
   // This thread's rows of the state (in its NC columns: lane, lane + 32, ...), of the sum of b
   // (the normalizer's state) and, under an extra row, sum_s extra_b[s] c[s][column].
