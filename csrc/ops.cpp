@@ -6,7 +6,6 @@
 #include <Python.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -228,12 +227,6 @@ void check_state_backend(const at::Tensor& q, const at::Tensor& v, bool uses_sta
   TORCH_CHECK(!(uses_state || uses_cu_seqlens) || !q.is_cuda() || (E <= kMaxCudaStateDim && M <= kMaxCudaStateDim),
               "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ", kMaxCudaStateDim,
               ", got E = ", E, ", M = ", M);
-  // The CUDA kernels take packed sequences, but have not run on a GPU yet: until the GPU tests have
-  // passed they are opt-in (FAST_CAUSAL_ATTN_CUDA_VARLEN=1), and the CPU is the supported path.
-  const char* opt_in = std::getenv("FAST_CAUSAL_ATTN_CUDA_VARLEN");
-  TORCH_CHECK(!uses_cu_seqlens || q.device().is_cpu() || (opt_in != nullptr && std::string(opt_in) == "1"),
-              "fast_causal_attn: cu_seqlens is not supported on ", q.device().type(),
-              " yet; it runs on the CPU (FAST_CAUSAL_ATTN_CUDA_VARLEN=1 tries the untested CUDA kernels)");
 }
 
 }  // namespace

@@ -43,8 +43,7 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
         cu_seqlens: variable-length batches: int32 or int64 [N + 1] offsets (0, ..., total) of N
             sequences packed along the time dimension of inputs with batch size 1. Attention never
             crosses a sequence boundary; states are then per sequence, [N, H, E, M] and [N, H, E].
-            CPU only for now (CUDA: opt-in with FAST_CAUSAL_ATTN_CUDA_VARLEN=1, not yet tested on
-            a GPU).
+            On CUDA, E and M up to 256.
 
     Under torch.autocast (float16 or bfloat16 on CUDA, bfloat16 on the CPU) q, k and v run in the
     autocast dtype, accumulating in float32.

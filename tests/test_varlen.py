@@ -10,12 +10,6 @@ from reference import make_inputs, make_state, relative_error, time_dim
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
-
-@pytest.fixture(autouse=True)
-def cuda_varlen_opt_in(monkeypatch):
-    """The CUDA kernels' packed sequences are opt-in until these tests have passed on a GPU."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_CUDA_VARLEN", "1")
-
 LENGTHS = [5, 0, 64, 1, 33]  # an empty sequence and one of a single step on purpose
 
 
