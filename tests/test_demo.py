@@ -1,9 +1,13 @@
 """The README's main job, for a few steps: it trains, reports, and its decoding check passes."""
+import pytest
+
+from conftest import DEVICES
 from fast_causal_attn import demo
 
 
-def test_demo_runs_and_decodes_consistently(capsys):
-    assert demo.main(["--steps", "30", "--device", "cpu"]) == 0
+@pytest.mark.parametrize("device", DEVICES)
+def test_demo_runs_and_decodes_consistently(capsys, device):
+    assert demo.main(["--steps", "30", "--device", device]) == 0
     out = capsys.readouterr().out
     assert "trained 30 steps" in out and "recall" in out
     assert "step-by-step decoding with the state API gives the full forward's tokens: yes" in out

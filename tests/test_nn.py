@@ -1,5 +1,5 @@
 """The layer: against a plain-PyTorch reference layer, step-by-step decoding, feature maps,
-torch.compile, autocast and DDP."""
+torch.compile, autocast and DDP, on the CPU and on CUDA."""
 import os
 import tempfile
 
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import fast_causal_attn
 from fast_causal_attn import feature_maps
 from fast_causal_attn.nn import CausalLinearAttention
+from conftest import DEVICES
 from reference import reference, relative_error
 
 
@@ -30,10 +31,12 @@ def reference_layer(layer, x):
 
 @pytest.mark.parametrize("feature_map", ["elu", "relu", "identity", torch.sigmoid], ids=str)
 @pytest.mark.parametrize("bias", [True, False])
-def test_layer_matches_reference(feature_map, bias):
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_matches_reference(feature_map, bias, device):
     normalize = feature_map != "identity"
-    layer = CausalLinearAttention(48, 4, feature_map=feature_map, normalize=normalize, bias=bias, head_dim=16)
-    x = torch.randn(2, 70, 48, requires_grad=True)
+    layer = CausalLinearAttention(48, 4, feature_map=feature_map, normalize=normalize, bias=bias, head_dim=16,
+                                  device=device)
+    x = torch.randn(2, 70, 48, device=device, requires_grad=True)
     y = layer(x)
     y_ref = reference_layer(layer, x)
     assert y.shape == (2, 70, 48) and relative_error(y, y_ref) <= 1e-5
@@ -45,9 +48,10 @@ def test_layer_matches_reference(feature_map, bias):
         assert relative_error(g, r) <= 1e-5
 
 
-def test_step_by_step_decoding_matches_full_sequence():
-    layer = CausalLinearAttention(32, 2)
-    x = torch.randn(3, 25, 32)
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_by_step_decoding_matches_full_sequence(device):
+    layer = CausalLinearAttention(32, 2, device=device)
+    x = torch.randn(3, 25, 32, device=device)
     full = layer(x)
     state, steps = None, []
     for t in range(x.shape[1]):
@@ -75,10 +79,11 @@ def test_bad_layer_arguments():
         layer(torch.randn(2, 5, 16))
 
 
-def test_layer_under_torch_compile():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_under_torch_compile(device):
     torch._dynamo.reset()
-    layer = CausalLinearAttention(32, 4)
-    x = torch.randn(2, 40, 32, requires_grad=True)
+    layer = CausalLinearAttention(32, 4, device=device)
+    x = torch.randn(2, 40, 32, device=device, requires_grad=True)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     y, y_ref = compiled(x), layer(x)
     torch.testing.assert_close(y, y_ref)
@@ -87,16 +92,22 @@ def test_layer_under_torch_compile():
     torch.testing.assert_close(g, g_ref)
 
 
-def test_layer_under_autocast():
-    layer = CausalLinearAttention(32, 4)
-    x = torch.randn(2, 40, 32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+AUTOCAST = [("cpu", torch.bfloat16), pytest.param("cuda", torch.float16, marks=DEVICES[1].marks),
+            pytest.param("cuda", torch.bfloat16, marks=DEVICES[1].marks)]
+
+
+@pytest.mark.parametrize("device,dtype", AUTOCAST, ids=str)
+def test_layer_under_autocast(device, dtype):
+    layer = CausalLinearAttention(32, 4, device=device)
+    x = torch.randn(2, 40, 32, device=device)
+    with torch.autocast(device, dtype=dtype):
         y = layer(x)
-    assert y.dtype == torch.bfloat16
-    assert relative_error(y, reference_layer(layer, x)) <= 3e-2  # bf16 projections and attention
+    assert y.dtype == dtype
+    assert relative_error(y, reference_layer(layer, x)) <= 3e-2  # 16-bit projections and attention
 
 
-def test_layer_under_ddp():
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_under_ddp(device):
     """One process of DistributedDataParallel (gloo, a file store): the layer trains like any module."""
     import torch.distributed as dist
 
@@ -104,11 +115,11 @@ def test_layer_under_ddp():
         dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
         try:
             torch.manual_seed(0)
-            layer = CausalLinearAttention(32, 4)
-            plain = CausalLinearAttention(32, 4)
+            layer = CausalLinearAttention(32, 4, device=device)
+            plain = CausalLinearAttention(32, 4, device=device)
             plain.load_state_dict(layer.state_dict())
             ddp = torch.nn.parallel.DistributedDataParallel(layer)
-            x = torch.randn(2, 30, 32)
+            x = torch.randn(2, 30, 32, device=device)
             ddp(x).square().mean().backward()
             plain(x).square().mean().backward()
             for a, b in zip(layer.parameters(), plain.parameters()):
