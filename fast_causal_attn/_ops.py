@@ -80,6 +80,14 @@ class CausalDotProduct(torch.autograd.Function):
     """
 
     @staticmethod
+    def run(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
+            return_final_state=False, cu_seqlens=None):
+        """The forward alone, with apply's arguments and results, for calls no gradient flows through."""
+        out, _, final_kv, final_k_sum = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,
+                                                 eps, layout, return_final_state)
+        return (out, final_kv, final_k_sum) if return_final_state else out
+
+    @staticmethod
     def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
                 initial_k_sum=None, return_final_state=False, cu_seqlens=None):
         out, den, final_kv, final_k_sum = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,

@@ -127,6 +127,22 @@ def test_final_state_without_initial_state(device):
     assert relative_error(state.kv, ref_kv) <= 1e-12 and relative_error(state.k_sum, ref_k_sum) <= 1e-12
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("L", [1, 37])
+def test_calls_without_gradients_match_calls_with(L, device):
+    """Calls no gradient can flow through skip the autograd Function: the same kernels, the same bits."""
+    q, k, v = make_inputs(2, 3, L, 8, 5, dtype=torch.float32, device=device, normalize=True)
+    state = fast_causal_attn.State(*(x.to(device) for x in make_state(2, 3, 8, 5, torch.float32, True)))
+    kwargs = dict(scale=0.5, normalize=True, initial_state=state, return_final_state=True)
+    with torch.no_grad():
+        plain = fast_causal_attn.causal_linear_attention(q, k, v, **kwargs)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    tracked = fast_causal_attn.causal_linear_attention(*leaves, **kwargs)
+    assert plain[0].grad_fn is None and tracked[0].grad_fn is not None
+    for a, b in zip((plain[0], *plain[1]), (tracked[0], *tracked[1])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def good_state_case():
     q, k, v = make_inputs(2, 3, 10, 4, 5, dtype=torch.float32, device="cpu")
     return (q, k, v), make_state(2, 3, 4, 5, torch.float32, True)
@@ -191,12 +207,12 @@ def test_state_under_torch_compile():
         torch.testing.assert_close(g, w)
 
 
-# The decoding step (L = 1 from a state): the CPU's dedicated path, the default CUDA path, and the
-# CUDA decoding-step kernel (forced until it is the default).
+# The decoding step (L = 1 from a state): the CPU's dedicated path, the default CUDA path (the
+# decoding-step kernel), and the chunked kernels' general path forced.
 DECODE_PATHS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
-    pytest.param("cuda", "decode", id="cuda-decode", marks=CUDA),
+    pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
 ]
 
 
