@@ -14,10 +14,12 @@
 // Blocks own one (sequence, head), NB = 64 columns of c and one time segment, as in the chunked
 // family.
 //
-// Not on the default path: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects it for float16, bfloat16
-// and float32 inputs with head dims up to 128 (see dispatch.cuh). Measured on the H200 it is within
-// -15% .. +17% of the recurrent family in bf16 and 2x slower in fp32 (benchmarks/RESULTS.md): the
-// shared-memory round trips between WMMA products bound it, not the tensor cores.
+// Not on the default path: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects the family for float16,
+// bfloat16 and float32 inputs with head dims up to 128 (see dispatch.cuh). Measured on the H200
+// this WMMA kernel was within -15% .. +17% of the recurrent family in bf16 and 2x slower in fp32
+// (benchmarks/RESULTS.md): the shared-memory round trips between WMMA products bound it, not the
+// tensor cores. 16-bit inputs now take the mma.sync kernels of mma_product.cuh instead; float32
+// stays here until 3xTF32 moves there too.
 #pragma once
 
 #include <mma.h>
@@ -28,6 +30,7 @@
 #include <type_traits>
 
 #include "chunked_product.cuh"
+#include "mma_product.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -370,10 +373,13 @@ template <typename scalar_t>
 constexpr bool kTensorCoreInput =
     std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>;
 
-// float16, bfloat16 and float32 inputs, the state's rows (Da) up to kMaxTensorCoreRows.
+// float16, bfloat16 and float32 inputs, the state's rows (Da) up to kMaxTensorCoreRows: 16-bit
+// inputs on the mma.sync kernels (mma_product.cuh), float32 on WMMA with 3xTF32 (this file).
 template <Pass P, typename scalar_t>
 void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr (kTensorCoreInput<scalar_t>) {
+  if constexpr (kMmaInput<scalar_t>) {
+    run_mma<P, scalar_t>(p, Da, Dc, stream);
+  } else if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 32) {
       launch_tensorcore<P, scalar_t, 32>(p, Da, Dc, stream);
     } else if (Da <= 64) {
