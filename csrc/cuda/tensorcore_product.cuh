@@ -1,343 +1,470 @@
-// The chunked family on tensor cores: the same per-chunk products as chunked_product.cuh
-// (P = mask(A B^T), out = P Cc + A S, S += B^T Cc), each on 16 x 16 WMMA tiles with float32
-// accumulation; float16/bfloat16 inputs take one 16-bit MMA per step, float32 inputs three TF32
-// MMAs (3xTF32, float32-level accuracy; see MmaPolicy).
+// The chunked family on tensor cores (mma.sync, float32 accumulation), every intermediate
+// product kept in registers: the chunked products of chunked_product.cuh,
 //
-//   - A, B and Cc are staged in shared memory in the input dtype (A and B after the pass's
-//     scaling, rounded once);
-//   - the state S is kept in float32 accumulator fragments, each warp owning DA / 32 of its 16 x 16
-//     tiles, and published each chunk as a copy in the input dtype for the A S product (as fla
-//     keeps its state);
-//   - the masked scores P go through float32 shared memory (masking, the normalizer's row sums,
-//     the extra row of the normalized gradients) and on in the input dtype for P Cc;
-//   - outputs go through float32 shared memory, where the normalizer divides them.
-// Blocks own one (sequence, head), NB = 64 columns of c and one time segment, as in the chunked
-// family.
+//   P = mask(A B^T),  out = P Cc + A S,  S += B^T Cc,
 //
-// Not on the default path: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects the family for float16,
-// bfloat16 and float32 inputs with head dims up to 128 (see dispatch.cuh). Measured on the H200
-// this WMMA kernel was within -15% .. +17% of the recurrent family in bf16 and 2x slower in fp32
-// (benchmarks/RESULTS.md): the shared-memory round trips between WMMA products bound it, not the
-// tensor cores. 16-bit inputs now take the mma.sync kernels of mma_product.cuh instead; float32
-// stays here until 3xTF32 moves there too.
+// laid out as flash-attention 2 lays out its softmax(Q K^T) V. A block is 4 warps and owns one
+// (sequence, head), NB = 64 columns of c and one time segment. Per chunk of C = 64 timesteps,
+// warp w owns the chunk's rows 16w .. 16w + 15: its scores (a 16 x 64 accumulator) are masked,
+// take the extra row and the normalizer's row sums in registers, and become the A operand of
+// P Cc without leaving registers. The state S (DA x NB, float32) is split by rows over the warps,
+// also in accumulators; a copy in shared memory serves the A S product of the next chunk.
+//
+// float16 and bfloat16: one m16n8k16 MMA a step, operands (and the state copy) 16-bit, loaded
+// with ldmatrix from rows padded by 16 bytes. float32: 3xTF32, three m16n8k8 TF32 MMAs a step
+// (see MmaTraits<float>), operands and state copy float32, so float32 stays float32-accurate.
+//
+// History: a WMMA version that went through shared memory between every product measured no
+// faster than the CUDA-core families (bf16 within -15% .. +17% of the recurrent family, fp32 2x
+// slower; benchmarks/RESULTS.md); this one removes exactly those round trips. Not yet run on a
+// GPU: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects it (see dispatch.cuh).
 #pragma once
-
-#include <mma.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstdint>
 #include <type_traits>
 
 #include "chunked_product.cuh"
-#include "mma_product.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
 namespace tensorcore {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / kWarp;
-constexpr int kTile = 16;  // WMMA tile edge
-constexpr int C = 64;      // timesteps per chunk
-constexpr int NB = 64;     // columns of c per block
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int C = 64;   // timesteps per chunk: 16 rows a warp
+constexpr int NB = 64;  // columns of c per block
+static_assert(C == 16 * kWarps, "each warp owns 16 rows of the chunk");
 
-// How the products run for each input dtype. float16 and bfloat16 stay 16-bit in shared memory and
-// take one 16x16x16 MMA per tile step. float32 stays float32 and takes three 16x16x8 TF32 MMAs
-// (3xTF32: each operand split into a TF32 head and a TF32 tail, tail x tail dropped), which keeps
-// the products at float32's accuracy while they run on tensor cores.
-template <typename scalar_t>
-struct MmaPolicy {  // float16, bfloat16
-  using Storage = scalar_t;
-  using Element = std::conditional_t<std::is_same_v<scalar_t, at::Half>, __half, __nv_bfloat16>;  // same bits
-  using Pointer = const Element*;
-  static constexpr int kK = 16;
-  static constexpr bool kSplit = false;
-};
-template <>
-struct MmaPolicy<float> {
-  using Storage = float;
-  using Element = nvcuda::wmma::precision::tf32;
-  using Pointer = const float*;
-  static constexpr int kK = 8;
-  static constexpr bool kSplit = true;
-};
-
-// acc += a b, as the policy says.
-template <typename Policy, typename FragA, typename FragB, typename FragAcc>
-__device__ __forceinline__ void mma(FragAcc& acc, FragA& a, FragB& b) {
-  using namespace nvcuda;
-  if constexpr (Policy::kSplit) {
-    FragA a_tail;
-    FragB b_tail;
-#pragma unroll
-    for (int i = 0; i < a.num_elements; ++i) {
-      const float head = wmma::__float_to_tf32(a.x[i]);
-      a_tail.x[i] = wmma::__float_to_tf32(a.x[i] - head);
-      a.x[i] = head;
-    }
-#pragma unroll
-    for (int i = 0; i < b.num_elements; ++i) {
-      const float head = wmma::__float_to_tf32(b.x[i]);
-      b_tail.x[i] = wmma::__float_to_tf32(b.x[i] - head);
-      b.x[i] = head;
-    }
-    wmma::mma_sync(acc, a_tail, b, acc);  // the small terms first
-    wmma::mma_sync(acc, a, b_tail, acc);
-    wmma::mma_sync(acc, a, b, acc);
-  } else {
-    wmma::mma_sync(acc, a, b, acc);
-  }
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// Shared memory, in bytes from the start. Rows are padded by 16 bytes (8 16-bit or 4 float
-// elements) so that the 8 rows a WMMA load reads at once fall in different banks; every tile
-// starts 32-byte aligned, as WMMA loads ask.
-template <int DA, typename Storage>
-struct Layout {
-  static constexpr int kPad = 16 / int(sizeof(Storage));
-  static constexpr int kAB = DA + kPad;  // row strides, in Storage elements
-  static constexpr int kCS = NB + kPad;
-  static constexpr int kPH = C + kPad;
-  static constexpr int kSH = NB + kPad;
-  static constexpr int kPF = C + 4;      // row strides, float
-  static constexpr int kOF = NB + 4;
-  static constexpr int kScratch = (C * kPF + C * kOF > DA * kOF) ? C * kPF + C * kOF : DA * kOF;
-  static constexpr size_t kElem = sizeof(Storage);
+// Four 8 x 8 16-bit matrices from shared memory; lane l gives the address of row l % 8 of
+// matrix l / 8 and receives, of matrix i, register r[i]: row l / 4, columns 2 (l % 4) and + 1
+// (with .trans: rows 2 (l % 4) and + 1 of column l / 4).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(row))
+               : "memory");
+}
 
+// Where lane l points ldmatrix for each operand shape (m = l / 8 the matrix, r = l % 8 its row),
+// for the fragment tile at (row0, k0) of a row-major array with row stride ld.
+struct Lane {
+  int m, r;
+  __device__ Lane() : m((threadIdx.x % kWarp) / 8), r(threadIdx.x % 8) {}
+  // A (16 x 16) stored as [row][k]: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7,
+  // k 8-15), (rows 8-15, k 8-15) are a0..a3.
+  __device__ int a_row_major(int row0, int k0, int ld) const { return (row0 + (m & 1) * 8 + r) * ld + k0 + (m >> 1) * 8; }
+  // A (16 x 16) stored as [k][row] (a transposed operand), with .trans.
+  __device__ int a_k_major(int row0, int k0, int ld) const { return (k0 + (m >> 1) * 8 + r) * ld + row0 + (m & 1) * 8; }
+  // Two B fragments (k 16 x n 8, columns n0 and n0 + 8) stored as [n][k]: b0, b1 of the first,
+  // then of the second.
+  __device__ int b_n_major(int n0, int k0, int ld) const { return (n0 + (m >> 1) * 8 + r) * ld + k0 + (m & 1) * 8; }
+  // The same stored as [k][n], with .trans.
+  __device__ int b_k_major(int k0, int n0, int ld) const { return (k0 + (m & 1) * 8 + r) * ld + n0 + (m >> 1) * 8; }
+};
+
+// How each input dtype feeds the MMAs. Fragments hold what one m16n8kK step reads: A 16 x K,
+// B K x 8 (two of them, columns n0 and n0 + 8, per load). Every load names how its operand is
+// stored in shared memory: A as [row][k] or [k][row], B as [n][k] or [k][n].
+template <typename scalar_t>
+struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands loaded with ldmatrix
+  using Smem = scalar_t;
+  static constexpr int kK = 16;
+  static constexpr int kPadAB = 8, kPadC = 8, kPadS = 8;  // 16-byte row padding: conflict-free ldmatrix
+  struct AFrag {
+    uint32_t r[4];
+  };
+  struct BFrag {
+    uint32_t r[2];
+  };
+
+  __device__ static void load_a(AFrag& a, const Smem* x, int row0, int k0, int ld) {
+    ldmatrix_x4(a.r, x + Lane().a_row_major(row0, k0, ld));
+  }
+  __device__ static void load_a_k_major(AFrag& a, const Smem* x, int row0, int k0, int ld) {
+    ldmatrix_x4_trans(a.r, x + Lane().a_k_major(row0, k0, ld));
+  }
+  __device__ static void load_b_n_major(BFrag (&b)[2], const Smem* x, int n0, int k0, int ld) {
+    uint32_t r[4];
+    ldmatrix_x4(r, x + Lane().b_n_major(n0, k0, ld));
+    b[0].r[0] = r[0], b[0].r[1] = r[1], b[1].r[0] = r[2], b[1].r[1] = r[3];
+  }
+  __device__ static void load_b_k_major(BFrag (&b)[2], const Smem* x, int k0, int n0, int ld) {
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, x + Lane().b_k_major(k0, n0, ld));
+    b[0].r[0] = r[0], b[0].r[1] = r[1], b[1].r[0] = r[2], b[1].r[1] = r[3];
+  }
+  // B of the P Cc product, whose A comes from score_as_a: the same k order here.
+  __device__ static void load_b_after_scores(BFrag (&b)[2], const Smem* x, int k0, int n0, int ld) {
+    load_b_k_major(b, x, k0, n0, ld);
+  }
+  // k-step k of the masked scores (columns 16k .. 16k + 15) as an A fragment: an accumulator pair
+  // is an A fragment, rounded to the input dtype.
+  __device__ static void score_as_a(AFrag& a, const float (&score)[8][4], int k) {
+    a.r[0] = pack(score[2 * k][0], score[2 * k][1]);
+    a.r[1] = pack(score[2 * k][2], score[2 * k][3]);
+    a.r[2] = pack(score[2 * k + 1][0], score[2 * k + 1][1]);
+    a.r[3] = pack(score[2 * k + 1][2], score[2 * k + 1][3]);
+  }
+  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+    } else {
+      asm volatile(
+          "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+          "{%0, %1, %2, %3};\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+          : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
+    }
+  }
+  // Two adjacent elements of the state copy (col even).
+  __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack(lo, hi); }
+
+  // Two floats rounded to the input dtype, packed as one 32-bit register (lo in the low half).
+  __device__ static uint32_t pack(float lo, float hi) {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    } else {
+      const __half2 v = __floats2half2_rn(lo, hi);
+      return *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+};
+
+// float32: three m16n8k8 TF32 MMAs a step (3xTF32: each operand split into a TF32 head and the TF32
+// rounding of its remainder, tail x tail dropped), float32-level accuracy on tensor cores. Operands
+// stay float32 in shared memory, read with 32-bit loads; the state copy is float32 too.
+template <>
+struct MmaTraits<float> {
+  using Smem = float;
+  static constexpr int kK = 8;
+  // Rows padded to 4 (mod 32 words) for [row][k] and [n][k] reads, 8 for [k][n] reads: bank
+  // conflict-free for the lanes' (g, q) patterns below.
+  static constexpr int kPadAB = 4, kPadC = 8, kPadS = 8;
+  struct AFrag {
+    uint32_t hi[4], lo[4];
+  };
+  struct BFrag {
+    uint32_t hi[2], lo[2];
+  };
+
+  __device__ static void split(float x, uint32_t& hi, uint32_t& lo) {
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+  }
+  // A fragment (m16n8k8, tf32): a0 (row g, k q), a1 (row g + 8, k q), a2 (row g, k q + 4),
+  // a3 (row g + 8, k q + 4); B: b0 (k q, column g), b1 (k q + 4, column g).
+  template <typename At>
+  __device__ static void fill_a(AFrag& a, At at) {
+    const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+    split(at(g, q), a.hi[0], a.lo[0]);
+    split(at(g + 8, q), a.hi[1], a.lo[1]);
+    split(at(g, q + 4), a.hi[2], a.lo[2]);
+    split(at(g + 8, q + 4), a.hi[3], a.lo[3]);
+  }
+  template <typename Bt>
+  __device__ static void fill_b(BFrag (&b)[2], Bt bt) {  // bt(k, n) over n in [0, 16)
+    const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      split(bt(q, 8 * h + g), b[h].hi[0], b[h].lo[0]);
+      split(bt(q + 4, 8 * h + g), b[h].hi[1], b[h].lo[1]);
+    }
+  }
+  __device__ static void load_a(AFrag& a, const Smem* x, int row0, int k0, int ld) {
+    fill_a(a, [&](int r, int k) { return x[(row0 + r) * ld + k0 + k]; });
+  }
+  __device__ static void load_a_k_major(AFrag& a, const Smem* x, int row0, int k0, int ld) {
+    fill_a(a, [&](int r, int k) { return x[(k0 + k) * ld + row0 + r]; });
+  }
+  __device__ static void load_b_n_major(BFrag (&b)[2], const Smem* x, int n0, int k0, int ld) {
+    fill_b(b, [&](int k, int n) { return x[(n0 + n) * ld + k0 + k]; });
+  }
+  __device__ static void load_b_k_major(BFrag (&b)[2], const Smem* x, int k0, int n0, int ld) {
+    fill_b(b, [&](int k, int n) { return x[(k0 + k) * ld + n0 + n]; });
+  }
+  // score_as_a takes the accumulator's columns in the order 2q, 2q + 1 (k = q and q + 4 of the
+  // fragment): the MMA sums over k in any order, so B follows the same one.
+  __device__ static void load_b_after_scores(BFrag (&b)[2], const Smem* x, int k0, int n0, int ld) {
+    fill_b(b, [&](int k, int n) { return x[(k0 + (k < 4 ? 2 * k : 2 * (k - 4) + 1)) * ld + n0 + n]; });
+  }
+  // k-step k of the masked scores (columns 8k .. 8k + 7): accumulator n-tile k, its columns
+  // permuted as load_b_after_scores expects; no shuffles.
+  __device__ static void score_as_a(AFrag& a, const float (&score)[8][4], int k) {
+    split(score[k][0], a.hi[0], a.lo[0]);  // (g, 2q)     -> k = q
+    split(score[k][2], a.hi[1], a.lo[1]);  // (g + 8, 2q) -> k = q
+    split(score[k][1], a.hi[2], a.lo[2]);  // (g, 2q + 1) -> k = q + 4
+    split(score[k][3], a.hi[3], a.lo[3]);
+  }
+  __device__ static void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+    mma_tf32(d, a.lo, b.hi);  // the small terms first
+    mma_tf32(d, a.hi, b.lo);
+    mma_tf32(d, a.hi, b.hi);
+  }
+  __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<float2*>(dst) = make_float2(lo, hi); }
+};
+
+// Shared memory, in bytes from the start, rows padded as the traits say.
+template <typename T, int DA>
+struct Layout {
+  using Smem = typename T::Smem;
+  static constexpr int kAB = DA + T::kPadAB;  // row strides, in elements
+  static constexpr int kCS = NB + T::kPadC;
+  static constexpr int kSS = NB + T::kPadS;
+  static constexpr size_t kElem = sizeof(Smem);
   static constexpr size_t a = 0;                                    // [C][kAB]
   static constexpr size_t b = a + size_t(C) * kAB * kElem;          // [C][kAB]
   static constexpr size_t c = b + size_t(C) * kAB * kElem;          // [C][kCS]
-  static constexpr size_t p_masked = c + size_t(C) * kCS * kElem;   // [C][kPH]: masked scores
-  static constexpr size_t s_copy = p_masked + size_t(C) * kPH * kElem;  // [DA][kSH]: the state entering the chunk
-  // Float scratch: the scores [C][kPF] then the outputs [C][kOF]; the whole of it holds the state
-  // [DA][kOF] while it is published.
-  static constexpr size_t scratch = s_copy + size_t(DA) * kSH * kElem;
-  static constexpr size_t extra_a = scratch + size_t(kScratch) * 4;  // [C] float
-  static constexpr size_t extra_b = extra_a + C * 4;                 // [C]
-  static constexpr size_t extra_state = extra_b + C * 4;             // [NB]
-  static constexpr size_t key_sum = extra_state + NB * 4;            // [DA]
-  static constexpr size_t den = key_sum + DA * 4;                    // [C]
-  static constexpr size_t total = den + C * 4;
-  static_assert(a % 32 == 0 && b % 32 == 0 && c % 32 == 0 && p_masked % 32 == 0 && s_copy % 32 == 0 &&
-                    scratch % 32 == 0,
-                "WMMA tiles start 32-byte aligned");
-  static_assert(DA % 32 == 0, "each warp owns DA / 32 tiles of the state");
+  static constexpr size_t s_copy = c + size_t(C) * kCS * kElem;     // [DA][kSS]: the state entering the chunk
+  static constexpr size_t extra_a = s_copy + size_t(DA) * kSS * kElem;  // [C] float
+  static constexpr size_t extra_b = extra_a + C * 4;                    // [C]
+  static constexpr size_t extra_state = extra_b + C * 4;                // [NB]
+  static constexpr size_t key_sum = extra_state + NB * 4;               // [DA]
+  static constexpr size_t total = key_sum + DA * 4;
+  static_assert(b % 16 == 0 && c % 16 == 0 && s_copy % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
+  static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
-
-// Two blocks a multiprocessor where shared memory allows it (128 registers a thread), else one.
-template <int DA, typename Storage>
-constexpr int kMinBlocks = Layout<DA, Storage>::total <= 113 * 1024 ? 2 : 1;
 
 }  // namespace tensorcore
 
 template <Pass P, typename scalar_t, int DA>
-__global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<DA, scalar_t>)
+__global__ void __launch_bounds__(tensorcore::kThreads)
     tensorcore_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
-  using namespace nvcuda;
   using namespace tensorcore;
   using acc_t = float;
-  using Policy = MmaPolicy<scalar_t>;
-  using Storage = typename Policy::Storage;
-  using Traits = PassTraits<P>;
-  using S = Layout<DA, Storage>;
-  constexpr bool kReverse = Traits::kReverse;
-  constexpr int kK = Policy::kK;  // the MMA's depth
-  constexpr int kChunkTiles = C / kTile, kColTiles = NB / kTile, kRowTiles = DA / kTile;
-  constexpr int kStateTiles = kRowTiles * kColTiles / kWarps;  // per warp
-  using Element = typename Policy::Element;
-  using AccFrag = wmma::fragment<wmma::accumulator, kTile, kTile, kK, float>;
-  using RowA = wmma::fragment<wmma::matrix_a, kTile, kTile, kK, Element, wmma::row_major>;
-  using ColA = wmma::fragment<wmma::matrix_a, kTile, kTile, kK, Element, wmma::col_major>;
-  using RowB = wmma::fragment<wmma::matrix_b, kTile, kTile, kK, Element, wmma::row_major>;
-  using ColB = wmma::fragment<wmma::matrix_b, kTile, kTile, kK, Element, wmma::col_major>;
+  using T = MmaTraits<scalar_t>;
+  using Smem = typename T::Smem;
+  using S = Layout<T, DA>;
+  using AFrag = typename T::AFrag;
+  using BFrag = typename T::BFrag;
+  constexpr bool kReverse = PassTraits<P>::kReverse;
+  constexpr int kK = T::kK;                        // the MMA's depth
+  constexpr int kStateTiles = DA / (16 * kWarps);  // 16-row tiles of the state a warp owns
+  // The k-loops over shared memory stay rolled for float32: unrolled, the split fragments of
+  // several steps in flight spill at DA = 128.
+  constexpr int kUnrollK = sizeof(Smem) == 4 ? 1 : 4;
 
   extern __shared__ __align__(128) unsigned char tc_smem_raw[];
-  Storage* a_s = reinterpret_cast<Storage*>(tc_smem_raw + S::a);
-  Storage* b_s = reinterpret_cast<Storage*>(tc_smem_raw + S::b);
-  Storage* c_s = reinterpret_cast<Storage*>(tc_smem_raw + S::c);
-  Storage* p_masked = reinterpret_cast<Storage*>(tc_smem_raw + S::p_masked);
-  Storage* s_copy = reinterpret_cast<Storage*>(tc_smem_raw + S::s_copy);
-  float* scratch = reinterpret_cast<float*>(tc_smem_raw + S::scratch);
-  float* p_f = scratch;                // [C][kPF]
-  float* o_f = scratch + C * S::kPF;   // [C][kOF]
+  Smem* a_s = reinterpret_cast<Smem*>(tc_smem_raw + S::a);
+  Smem* b_s = reinterpret_cast<Smem*>(tc_smem_raw + S::b);
+  Smem* c_s = reinterpret_cast<Smem*>(tc_smem_raw + S::c);
+  Smem* s_copy = reinterpret_cast<Smem*>(tc_smem_raw + S::s_copy);
   float* extra_a_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_a);
   float* extra_b_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_b);
   float* extra_state_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_state);
   float* key_sum_s = reinterpret_cast<float*>(tc_smem_raw + S::key_sum);
-  float* den_s = reinterpret_cast<float*>(tc_smem_raw + S::den);
-  auto as_mma = [](Storage* x) { return reinterpret_cast<typename Policy::Pointer>(x); };
 
-  const int tid = threadIdx.x, warp = tid / kWarp;
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
+  const int g = lane / 4, q = lane % 4;  // an accumulator's rows g and g + 8, columns 2q and 2q + 1
   const chunked::BlockWork<P, scalar_t> work(p, col_tiles, NB, Dc);
   const int64_t segment = work.segment, col_tile = work.col_tile, pair = work.pair, m0 = work.m0;
   const int cols = work.cols;
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
   const Operands<P, scalar_t, acc_t> ops = work.operands(p);
+  const int row_lo = 16 * warp + g, row_hi = row_lo + 8;  // this thread's rows of the chunk
+  const int state_row0 = warp * (DA / kWarps);             // this warp's rows of the state
 
-  // The starting state: the segments before this one (after, in reverse) and the given start, built
-  // in the float scratch, then loaded into this warp's accumulator tiles.
+  // The state: tile i of this warp holds rows state_row0 + 16 i + (g, g + 8), columns 8 j + 2q (+1)
+  // in state[i][j][0, 1] (row g) and [2, 3] (row g + 8).
+  float state[kStateTiles][NB / 8][4];
   float key_sum = 0.f, extra_state = 0.f;  // thread tid's entries: key_sum[tid] (< DA), extra_state[tid] (< NB)
   {
     const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
-    for (int e = tid; e < DA * NB; e += kThreads) {
-      const int row = e / NB, col = e % NB;
-      scratch[row * S::kOF + col] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
-    }
+#pragma unroll
+    for (int i = 0; i < kStateTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = state_row0 + 16 * i + g + (e >> 1) * 8, col = 8 * j + 2 * q + (e & 1);
+          state[i][j][e] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
+        }
     if (!state_only && track_key_sum && tid < Da) key_sum = start.key_sum(tid);
     if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
-  __syncthreads();
-  AccFrag state[kStateTiles];  // tile t = warp + kWarps * j: rows (t / kColTiles) * 16, columns (t % kColTiles) * 16
+  // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
+  auto publish = [&] {
 #pragma unroll
-  for (int j = 0; j < kStateTiles; ++j) {
-    const int t = warp + kWarps * j;
-    wmma::load_matrix_sync(state[j], scratch + (t / kColTiles) * kTile * S::kOF + (t % kColTiles) * kTile, S::kOF,
-                           wmma::mem_row_major);
-  }
-  // The copy of the state in the input dtype and the vectors, for the first chunk.
-  auto publish_vectors_and_state_copy = [&] {
-    for (int e = tid; e < DA * NB; e += kThreads) {
-      s_copy[(e / NB) * S::kSH + e % NB] = static_cast<Storage>(scratch[(e / NB) * S::kOF + e % NB]);
-    }
+    for (int i = 0; i < kStateTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = state_row0 + 16 * i + g + h * 8, col = 8 * j + 2 * q;
+          T::store_pair(s_copy + row * S::kSS + col, state[i][j][2 * h], state[i][j][2 * h + 1]);
+        }
     if (tid < DA) key_sum_s[tid] = key_sum;
     if (tid < NB) extra_state_s[tid] = extra_state;
   };
-  publish_vectors_and_state_copy();
+  if (!state_only) publish();
 
   const int64_t chunks = work.chunk_count(C);
   for (int64_t it = 0; it < chunks; ++it) {
     const int64_t t0 = work.chunk_begin(it, chunks, C);
     const int n = work.chunk_len(t0, C);
 
-    __syncthreads();  // the previous chunk is done with every buffer
+    __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
     chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
                                                     !state_only, extra_row);
     __syncthreads();
 
     if (!state_only) {
-      // Scores A B^T, tile by tile; tiles wholly outside the causal mask are skipped (never read).
-      for (int t = warp; t < kChunkTiles * kChunkTiles; t += kWarps) {
-        const int ti = t / kChunkTiles, tj = t % kChunkTiles;
-        if (kReverse ? tj < ti : tj > ti) continue;
-        AccFrag acc;
-        wmma::fill_fragment(acc, 0.f);
-#pragma unroll 2
-        for (int k = 0; k < DA; k += kK) {
-          RowA fa;
-          ColB fb;  // B^T: element (k, j) of the tile is b[j][k]
-          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k), S::kAB);
-          wmma::load_matrix_sync(fb, as_mma(b_s + tj * kTile * S::kAB + k), S::kAB);
-          mma<Policy>(acc, fa, fb);
-        }
-        wmma::store_matrix_sync(p_f + ti * kTile * S::kPF + tj * kTile, acc, S::kPF, wmma::mem_row_major);
-      }
-      __syncthreads();
-
-      // Mask, add the extra row, round to the input dtype for the P Cc product.
-      for (int e = tid; e < C * C; e += kThreads) {
-        const int i = e / C, j = e % C;
-        const bool keep = kReverse ? j >= i : j <= i;
-        float value = keep ? p_f[i * S::kPF + j] : 0.f;
-        if (keep && extra_row) value += extra_a_s[i] * extra_b_s[j];
-        p_masked[i * S::kPH + j] = static_cast<Storage>(value);
-      }
-      if (denominator) {  // eps + the row sum of the float scores + a . key_sum; 4 threads a row
-        constexpr int kPerRow = kThreads / C;
-        const int i = tid / kPerRow, part = tid % kPerRow;
-        float d = 0.f;
-        for (int j = part; j <= i; j += kPerRow) d += p_f[i * S::kPF + j];
-        for (int k = part; k < DA; k += kPerRow) d += static_cast<float>(a_s[i * S::kAB + k]) * key_sum_s[k];
+      // Scores A B^T of this warp's 16 rows over the chunk's 64 columns; the 16-column blocks
+      // wholly outside the causal mask are skipped.
+      float score[C / 8][4];
 #pragma unroll
-        for (int offset = kPerRow / 2; offset > 0; offset /= 2) d += __shfl_xor_sync(0xffffffffu, d, offset);
-        if (part == 0) {
-          d += float(p.eps);
-          den_s[i] = d;
-          if (col_tile == 0 && i < n) static_cast<acc_t*>(p.den)[work.den_row + t0 + i] = d;
+      for (int j = 0; j < C / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) score[j][e] = 0.f;
+#pragma unroll kUnrollK
+      for (int k = 0; k < DA; k += kK) {
+        AFrag a;
+        T::load_a(a, a_s, 16 * warp, k, S::kAB);
+#pragma unroll
+        for (int jp = 0; jp < C / 16; ++jp) {
+          if (kReverse ? jp < warp : jp > warp) continue;
+          BFrag b[2];
+          T::load_b_n_major(b, b_s, 16 * jp, k, S::kAB);
+          T::mma(score[2 * jp], a, b[0]);
+          T::mma(score[2 * jp + 1], a, b[1]);
         }
       }
-      __syncthreads();
 
-      // Outputs P Cc + A S, tile by tile; only the score tiles inside the mask contribute.
-      for (int t = warp; t < kChunkTiles * kColTiles; t += kWarps) {
-        const int ti = t / kColTiles, tn = t % kColTiles;
-        AccFrag acc;
-        wmma::fill_fragment(acc, 0.f);
-        const int k_first = kReverse ? ti : 0, k_last = kReverse ? kChunkTiles - 1 : ti;
-        for (int k = k_first * kTile; k < (k_last + 1) * kTile; k += kK) {
-          RowA fa;
-          RowB fb;
-          wmma::load_matrix_sync(fa, as_mma(p_masked + ti * kTile * S::kPH + k), S::kPH);
-          wmma::load_matrix_sync(fb, as_mma(c_s + k * S::kCS + tn * kTile), S::kCS);
-          mma<Policy>(acc, fa, fb);
+      // Mask, the normalizer's row sums (of the float scores), the extra row.
+      float row_sum[2] = {0.f, 0.f};
+#pragma unroll
+      for (int j = 0; j < C / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = (e >> 1) ? row_hi : row_lo, col = 8 * j + 2 * q + (e & 1);
+          const bool keep = kReverse ? col >= row : col <= row;
+          float value = keep ? score[j][e] : 0.f;
+          row_sum[e >> 1] += value;
+          if (keep && extra_row) value += extra_a_s[row] * extra_b_s[col];
+          score[j][e] = value;
         }
-#pragma unroll 2
-        for (int k = 0; k < DA; k += kK) {
-          RowA fa;
-          RowB fb;
-          wmma::load_matrix_sync(fa, as_mma(a_s + ti * kTile * S::kAB + k), S::kAB);
-          wmma::load_matrix_sync(fb, as_mma(s_copy + k * S::kSH + tn * kTile), S::kSH);
-          mma<Policy>(acc, fa, fb);
+      float den[2] = {1.f, 1.f};
+      if (denominator) {  // eps + the row sum + a . key_sum, the quad's four lanes splitting the work
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = h ? row_hi : row_lo;
+          float d = row_sum[h];
+          for (int k = q; k < DA; k += 4) d += static_cast<float>(a_s[row * S::kAB + k]) * key_sum_s[k];
+          d += __shfl_xor_sync(0xffffffffu, d, 1);
+          d += __shfl_xor_sync(0xffffffffu, d, 2);
+          den[h] = d + float(p.eps);
+          if (col_tile == 0 && q == 0 && row < n) static_cast<acc_t*>(p.den)[work.den_row + t0 + row] = den[h];
         }
-        wmma::store_matrix_sync(o_f + ti * kTile * S::kOF + tn * kTile, acc, S::kOF, wmma::mem_row_major);
       }
+
+      // Outputs P Cc + A S; the masked scores are the A operand of P Cc straight from registers.
+      float out[NB / 8][4];
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) out[j][e] = 0.f;
+#pragma unroll
+      for (int k = 0; k < C / kK; ++k) {
+        if (kReverse ? k * kK < 16 * warp : k * kK >= 16 * (warp + 1)) continue;  // wholly outside the mask
+        AFrag a;
+        T::score_as_a(a, score, k);
+#pragma unroll
+        for (int np = 0; np < NB / 16; ++np) {
+          BFrag b[2];
+          T::load_b_after_scores(b, c_s, k * kK, 16 * np, S::kCS);
+          T::mma(out[2 * np], a, b[0]);
+          T::mma(out[2 * np + 1], a, b[1]);
+        }
+      }
+#pragma unroll kUnrollK
+      for (int k = 0; k < DA; k += kK) {
+        AFrag a;
+        T::load_a(a, a_s, 16 * warp, k, S::kAB);
+#pragma unroll
+        for (int np = 0; np < NB / 16; ++np) {
+          BFrag b[2];
+          T::load_b_k_major(b, s_copy, k, 16 * np, S::kSS);
+          T::mma(out[2 * np], a, b[0]);
+          T::mma(out[2 * np + 1], a, b[1]);
+        }
+      }
+
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = (e >> 1) ? row_hi : row_lo, col = 8 * j + 2 * q + (e & 1);
+          if (row >= n || col >= cols) continue;
+          float value = out[j][e];
+          if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
+          if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + col];
+          ops.store(t0 + row, m0 + col, value, den[e >> 1]);
+        }
     }
 
-    // S += B^T Cc on this warp's state tiles (float32 accumulators throughout).
+    // S += B^T Cc on this warp's rows of the state (float32 accumulators throughout).
 #pragma unroll
-    for (int j = 0; j < kStateTiles; ++j) {
-      const int t = warp + kWarps * j, rt = t / kColTiles, ct = t % kColTiles;
-#pragma unroll 2
+    for (int i = 0; i < kStateTiles; ++i)
+#pragma unroll kUnrollK
       for (int k = 0; k < C; k += kK) {
-        ColA fa;  // B^T: element (r, s) of the tile is b[s][r]
-        RowB fb;
-        wmma::load_matrix_sync(fa, as_mma(b_s + k * S::kAB + rt * kTile), S::kAB);
-        wmma::load_matrix_sync(fb, as_mma(c_s + k * S::kCS + ct * kTile), S::kCS);
-        mma<Policy>(state[j], fa, fb);
+        AFrag a;
+        T::load_a_k_major(a, b_s, state_row0 + 16 * i, k, S::kAB);
+#pragma unroll
+        for (int np = 0; np < NB / 16; ++np) {
+          BFrag b[2];
+          T::load_b_k_major(b, c_s, k, 16 * np, S::kCS);
+          T::mma(state[i][2 * np], a, b[0]);
+          T::mma(state[i][2 * np + 1], a, b[1]);
+        }
       }
-    }
     if (track_key_sum && tid < DA) {
       for (int t = 0; t < C; ++t) key_sum += static_cast<float>(b_s[t * S::kAB + tid]);
     }
     if (extra_row && tid < NB) {
       for (int t = 0; t < C; ++t) extra_state += extra_b_s[t] * static_cast<float>(c_s[t * S::kCS + tid]);
     }
-    __syncthreads();  // outputs complete in o_f; every read of s_copy done
-
     if (!state_only) {
-      for (int e = tid; e < C * NB; e += kThreads) {
-        const int i = e / NB, m = e % NB;
-        if (i >= n || m >= cols) continue;
-        float value = o_f[i * S::kOF + m];
-        if (extra_row) value += extra_a_s[i] * extra_state_s[m];  // the state entering the chunk
-        if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + m];
-        ops.store(t0 + i, m0 + m, value, denominator ? den_s[i] : 1.f);
-      }
-      __syncthreads();  // o_f is read
-    }
-
-    // Publish the state for the next chunk (and the end): float tiles into the scratch, then the
-    // copy in the input dtype.
-#pragma unroll
-    for (int j = 0; j < kStateTiles; ++j) {
-      const int t = warp + kWarps * j;
-      wmma::store_matrix_sync(scratch + (t / kColTiles) * kTile * S::kOF + (t % kColTiles) * kTile, state[j], S::kOF,
-                              wmma::mem_row_major);
-    }
-    if (!state_only) {
-      __syncthreads();
-      publish_vectors_and_state_copy();
+      __syncthreads();  // every read of the state copy and the vectors is done
+      publish();
     }
   }
-  __syncthreads();  // the scratch holds the final state
 
   const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
   if (end.state != nullptr) {
-    for (int e = tid; e < DA * NB; e += kThreads) {
-      const int row = e / NB, col = e % NB;
-      if (row < Da && col < cols) end.state[row * Dc + m0 + col] = scratch[row * S::kOF + col];
-    }
+#pragma unroll
+    for (int i = 0; i < kStateTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = state_row0 + 16 * i + g + (e >> 1) * 8, col = 8 * j + 2 * q + (e & 1);
+          if (row < Da && col < cols) end.state[row * Dc + m0 + col] = state[i][j][e];
+        }
   }
   if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
@@ -346,12 +473,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocks<D
 template <Pass P, typename scalar_t, int DA>
 void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using namespace tensorcore;
-  using acc_t = float;
   KernelParams p = params;
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
-  const size_t smem = Layout<DA, typename MmaPolicy<scalar_t>::Storage>::total;
+  const size_t smem = Layout<MmaTraits<scalar_t>, DA>::total;
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
@@ -362,8 +488,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   const int64_t segments = (p.cu_seqlens != nullptr || 2 * pairs * col_tiles > slots)
                                ? 1
                                : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
-  const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
-
+  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 }
 
@@ -373,16 +498,11 @@ template <typename scalar_t>
 constexpr bool kTensorCoreInput =
     std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>;
 
-// float16, bfloat16 and float32 inputs, the state's rows (Da) up to kMaxTensorCoreRows: 16-bit
-// inputs on the mma.sync kernels (mma_product.cuh), float32 on WMMA with 3xTF32 (this file).
+// float16, bfloat16 and float32 (3xTF32) inputs, the state's rows (Da) up to kMaxTensorCoreRows.
 template <Pass P, typename scalar_t>
 void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr (kMmaInput<scalar_t>) {
-    run_mma<P, scalar_t>(p, Da, Dc, stream);
-  } else if constexpr (kTensorCoreInput<scalar_t>) {
-    if (Da <= 32) {
-      launch_tensorcore<P, scalar_t, 32>(p, Da, Dc, stream);
-    } else if (Da <= 64) {
+  if constexpr (kTensorCoreInput<scalar_t>) {
+    if (Da <= 64) {
       launch_tensorcore<P, scalar_t, 64>(p, Da, Dc, stream);
     } else {
       launch_tensorcore<P, scalar_t, 128>(p, Da, Dc, stream);
