@@ -5,6 +5,8 @@
 #   STAGES="build tests" bash benchmarks/gpu_check.sh
 #   STAGES="build decode" ...   # the decoding-step benchmark
 #   STAGES="build diag" ...     # toolchain, and which bad inputs crash instead of raising (backtrace)
+#   STAGES="build tests bench" TESTS="tensorcore" BENCH_ARGS="--no-peers --families" ...
+#                               # one kernel family's tests, then every family timed (no peers)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -45,7 +47,8 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
 fi
 
 if has tests; then
-  python -m pytest tests -q -k "cuda or test_errors" --maxfail=30 -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -40
+  python -m pytest tests -q -k "${TESTS:-cuda or test_errors}" --maxfail=30 -p no:cacheprovider 2>&1 |
+    tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
 fi
 

@@ -85,13 +85,13 @@ __device__ __forceinline__ void load_vec(const acc_t* src, acc_t (&dst)[N]) {
 }
 
 // Stages kRows x kWidth elements of one operand into shared memory rows of kStride, converted to
-// Dst: thread tid loads column tid % kWidth of rows tid / kWidth + k * (kThreads / kWidth), kBatch
-// loads in flight before their stores.
-template <int kRows, int kWidth, int kStride, typename Dst, typename Load>
+// Dst, by a block of kBlock threads: thread tid loads column tid % kWidth of rows tid / kWidth +
+// k * (kBlock / kWidth), kBatch loads in flight before their stores.
+template <int kRows, int kWidth, int kStride, int kBlock, typename Dst, typename Load>
 __device__ __forceinline__ void stage(Dst* dst, Load load) {
   using Value = decltype(load(0, 0));
-  static_assert(kThreads % kWidth == 0, "every thread keeps one column");
-  constexpr int kRowStep = kThreads / kWidth;
+  static_assert(kBlock % kWidth == 0, "every thread keeps one column");
+  constexpr int kRowStep = kBlock / kWidth;
   constexpr int kPerThread = kRows / kRowStep;
   constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
   static_assert(kRows % kRowStep == 0 && kPerThread % kBatch == 0, "staging must divide evenly");
@@ -107,17 +107,18 @@ __device__ __forceinline__ void stage(Dst* dst, Load load) {
 }
 
 // Stages one chunk, timesteps [t0, t0 + n): a (when with_a), b and c, converted to Dst, and the
-// extra row's a and b; rows past the chunk, Da or the block's columns are zero.
-template <int C, int DA, int NB, int kAB, int kCS, typename Dst, typename Extra, typename Ops>
+// extra row's a and b; rows past the chunk, Da or the block's columns are zero. kBlock threads
+// (at least C) share the work.
+template <int C, int DA, int NB, int kAB, int kCS, int kBlock, typename Dst, typename Extra, typename Ops>
 __device__ __forceinline__ void stage_chunk(Dst* a_s, Dst* b_s, Dst* c_s, Extra* extra_a_s, Extra* extra_b_s,
                                             const Ops& ops, int64_t t0, int n, int64_t Da, int64_t m0, int cols,
                                             bool with_a, bool extra_row) {
   using acc_t = decltype(ops.a_at(0, 0));
   if (with_a) {
-    stage<C, DA, kAB>(a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
+    stage<C, DA, kAB, kBlock>(a_s, [&](int t, int r) { return t < n && r < Da ? ops.a_at(t0 + t, r) : acc_t(0); });
   }
-  stage<C, DA, kAB>(b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
-  stage<C, NB, kCS>(c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
+  stage<C, DA, kAB, kBlock>(b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
+  stage<C, NB, kCS, kBlock>(c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
   const int tid = threadIdx.x;
   if (extra_row && tid < C) {
     extra_a_s[tid] = tid < n ? Extra(ops.extra_a(t0 + tid)) : Extra(0);
@@ -283,8 +284,8 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
     const int n = work.chunk_len(t0, C);
 
     __syncthreads();  // every thread is done with the previous chunk
-    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
-                                                    !state_only, extra_row);
+    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, chunked::kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0,
+                                                                       n, Da, m0, cols, !state_only, extra_row);
     __syncthreads();
 
     if (!state_only) {

@@ -138,7 +138,9 @@ struct Operands {
 
   // denominator: the forward's normalizer at s (1 without normalize).
   __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
-    const acc_t result = P == Pass::Forward ? value / denominator : P == Pass::GradQ ? scale * value * inv_den(s) : value;
+    const acc_t result = P == Pass::Forward ? value / denominator
+                         : P == Pass::GradQ ? scale * value * inv_den(s)
+                                            : value;
     out[s * out_l + m] = scalar_t(result);
   }
 };

@@ -65,7 +65,9 @@ struct Lane {
   __device__ Lane() : m((threadIdx.x % kWarp) / 8), r(threadIdx.x % 8) {}
   // A (16 x 16) stored as [row][k]: matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7,
   // k 8-15), (rows 8-15, k 8-15) are a0..a3.
-  __device__ int a_row_major(int row0, int k0, int ld) const { return (row0 + (m & 1) * 8 + r) * ld + k0 + (m >> 1) * 8; }
+  __device__ int a_row_major(int row0, int k0, int ld) const {
+    return (row0 + (m & 1) * 8 + r) * ld + k0 + (m >> 1) * 8;
+  }
   // A (16 x 16) stored as [k][row] (a transposed operand), with .trans.
   __device__ int a_k_major(int row0, int k0, int ld) const { return (k0 + (m >> 1) * 8 + r) * ld + row0 + (m & 1) * 8; }
   // Two B fragments (k 16 x n 8, columns n0 and n0 + 8) stored as [n][k]: b0, b1 of the first,
@@ -225,7 +227,9 @@ struct MmaTraits<float> {
     mma_tf32(d, a.hi, b.lo);
     mma_tf32(d, a.hi, b.hi);
   }
-  __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<float2*>(dst) = make_float2(lo, hi); }
+  __device__ static void store_pair(Smem* dst, float lo, float hi) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  }
 };
 
 // Shared memory, in bytes from the start, rows padded as the traits say.
@@ -329,8 +333,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     const int n = work.chunk_len(t0, C);
 
     __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
-    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols,
-                                                    !state_only, extra_row);
+    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
+                                                              m0, cols, !state_only, extra_row);
     __syncthreads();
 
     if (!state_only) {
