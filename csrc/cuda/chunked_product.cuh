@@ -106,6 +106,16 @@ __device__ __forceinline__ void stage(Dst* dst, Load load) {
   }
 }
 
+// The extra row's a and b of timesteps [t0, t0 + n) (zero past them), by the block's first C threads.
+template <int C, typename Extra, typename Ops>
+__device__ __forceinline__ void stage_extra_row(Extra* extra_a_s, Extra* extra_b_s, const Ops& ops, int64_t t0, int n) {
+  const int tid = threadIdx.x;
+  if (tid < C) {
+    extra_a_s[tid] = tid < n ? Extra(ops.extra_a(t0 + tid)) : Extra(0);
+    extra_b_s[tid] = tid < n ? Extra(ops.extra_b(t0 + tid)) : Extra(0);
+  }
+}
+
 // Stages one chunk, timesteps [t0, t0 + n): a (when with_a), b and c, converted to Dst, and the
 // extra row's a and b; rows past the chunk, Da or the block's columns are zero. kBlock threads
 // (at least C) share the work.
@@ -119,11 +129,7 @@ __device__ __forceinline__ void stage_chunk(Dst* a_s, Dst* b_s, Dst* c_s, Extra*
   }
   stage<C, DA, kAB, kBlock>(b_s, [&](int t, int r) { return t < n && r < Da ? ops.b_at(t0 + t, r) : acc_t(0); });
   stage<C, NB, kCS, kBlock>(c_s, [&](int t, int m) { return t < n && m < cols ? ops.c_at(t0 + t, m0 + m) : acc_t(0); });
-  const int tid = threadIdx.x;
-  if (extra_row && tid < C) {
-    extra_a_s[tid] = tid < n ? Extra(ops.extra_a(t0 + tid)) : Extra(0);
-    extra_b_s[tid] = tid < n ? Extra(ops.extra_b(t0 + tid)) : Extra(0);
-  }
+  if (extra_row) stage_extra_row<C>(extra_a_s, extra_b_s, ops, t0, n);
 }
 
 // out[ii][nn] += sum_{k < K} x[row_ii][k] y[k][col_nn], rows ty + G ii of x (row stride ldx),

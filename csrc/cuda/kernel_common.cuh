@@ -24,6 +24,10 @@ struct KernelParams : BackwardParams {
   // -dout_dot_out[t] / den[t]).
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
 
+  // Every input row starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
+  // rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).
+  bool rows_are_vectors = false;
+
   // Head dims above the largest bucket split the state's rows into slabs, one block each; the
   // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel
   // writes the output. Unused (nullptr, 1 slab) otherwise.
@@ -96,40 +100,55 @@ struct Operands {
     out_l = o.stride_l;
   }
 
+  // Each of a, b and c is one input's rows, each row times a factor of its timestep:
+  //
+  //   pass     a              b                        c
+  //   forward  q scale        k                        v
+  //   dq       dO             v                        k
+  //   dk       v              dO                       q scale / den
+  //   dv       k              q scale / den            dO
+  //
   // Under normalize the gradient flowing into the numerator is dO[t] / den[t]. dO itself stays an
   // operand as it is, and 1 / den[t] goes where it costs no rounding of its own: into dq at the
   // store, and into the (already scaled) q of the dk and dv passes. Tensor-core families round
   // their operands to 16 bits, so each rounding saved shows in float16/bfloat16 gradients.
+  struct Rows {
+    const scalar_t* ptr;
+    int64_t stride;  // between timesteps
+  };
+  __device__ Rows a_rows() const {
+    return P == Pass::Forward ? Rows{q, q_l} : P == Pass::GradQ ? Rows{dout, dout_l} : P == Pass::GradK ? Rows{v, v_l}
+                                                                                                      : Rows{k, k_l};
+  }
+  __device__ Rows b_rows() const {
+    return P == Pass::Forward ? Rows{k, k_l} : P == Pass::GradQ ? Rows{v, v_l} : P == Pass::GradK ? Rows{dout, dout_l}
+                                                                                                  : Rows{q, q_l};
+  }
+  __device__ Rows c_rows() const {
+    return P == Pass::Forward ? Rows{v, v_l} : P == Pass::GradQ ? Rows{k, k_l} : P == Pass::GradK ? Rows{q, q_l}
+                                                                                                  : Rows{dout, dout_l};
+  }
   __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
-  __device__ acc_t scaled_q(int64_t s, int64_t j) const { return scale * acc_t(q[s * q_l + j]) * inv_den(s); }
-  __device__ acc_t dout_at(int64_t s, int64_t j) const { return acc_t(dout[s * dout_l + j]); }
+  __device__ acc_t scaled_q_factor(int64_t s) const { return den ? scale / den[s] : scale; }
+  __device__ acc_t a_factor(int64_t) const { return P == Pass::Forward ? scale : acc_t(1); }
+  __device__ acc_t b_factor(int64_t s) const { return P == Pass::GradV ? scaled_q_factor(s) : acc_t(1); }
+  __device__ acc_t c_factor(int64_t s) const { return P == Pass::GradK ? scaled_q_factor(s) : acc_t(1); }
+  // Whether the factors are all 1, so that rows can be copied as they are.
+  __device__ bool a_is_plain() const { return P != Pass::Forward || scale == acc_t(1); }
+  __device__ bool b_is_plain() const { return P != Pass::GradV || (scale == acc_t(1) && den == nullptr); }
+  __device__ bool c_is_plain() const { return P != Pass::GradK || (scale == acc_t(1) && den == nullptr); }
 
   __device__ acc_t a_at(int64_t s, int64_t r) const {
-    switch (P) {
-      case Pass::Forward: return scale * acc_t(q[s * q_l + r]);
-      case Pass::GradQ: return dout_at(s, r);
-      case Pass::GradK: return acc_t(v[s * v_l + r]);
-      case Pass::GradV: return acc_t(k[s * k_l + r]);
-    }
-    return acc_t(0);
+    const Rows x = a_rows();
+    return acc_t(x.ptr[s * x.stride + r]) * a_factor(s);
   }
   __device__ acc_t b_at(int64_t s, int64_t r) const {
-    switch (P) {
-      case Pass::Forward: return acc_t(k[s * k_l + r]);
-      case Pass::GradQ: return acc_t(v[s * v_l + r]);
-      case Pass::GradK: return dout_at(s, r);
-      case Pass::GradV: return scaled_q(s, r);
-    }
-    return acc_t(0);
+    const Rows x = b_rows();
+    return acc_t(x.ptr[s * x.stride + r]) * b_factor(s);
   }
   __device__ acc_t c_at(int64_t s, int64_t m) const {
-    switch (P) {
-      case Pass::Forward: return acc_t(v[s * v_l + m]);
-      case Pass::GradQ: return acc_t(k[s * k_l + m]);
-      case Pass::GradK: return scaled_q(s, m);
-      case Pass::GradV: return dout_at(s, m);
-    }
-    return acc_t(0);
+    const Rows x = c_rows();
+    return acc_t(x.ptr[s * x.stride + m]) * c_factor(s);
   }
   // The extra row's a and b (normalize, gradients of q and k only): the normalizer's gradient
   // -dO[t] . O[t] / den[t], its 1 / den[t] placed as for dO above.

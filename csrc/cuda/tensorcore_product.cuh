@@ -137,6 +137,17 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   }
   // Two adjacent elements of the state copy (col even).
   __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack(lo, hi); }
+  // The two elements of a 32-bit word, each times f, rounded back.
+  __device__ static uint32_t scale_word(uint32_t w, float f) {
+    return pack(to_float(uint16_t(w & 0xffffu)) * f, to_float(uint16_t(w >> 16)) * f);
+  }
+  __device__ static float to_float(uint16_t bits) {
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      return __bfloat162float(__ushort_as_bfloat16(bits));
+    } else {
+      return __half2float(__ushort_as_half(bits));
+    }
+  }
 
   // Two floats rounded to the input dtype, packed as one 32-bit register (lo in the low half).
   __device__ static uint32_t pack(float lo, float hi) {
@@ -230,6 +241,7 @@ struct MmaTraits<float> {
   __device__ static void store_pair(Smem* dst, float lo, float hi) {
     *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
   }
+  __device__ static uint32_t scale_word(uint32_t w, float f) { return __float_as_uint(__uint_as_float(w) * f); }
 };
 
 // Shared memory, in bytes from the start, rows padded as the traits say.
@@ -252,6 +264,50 @@ struct Layout {
   static_assert(b % 16 == 0 && c % 16 == 0 && s_copy % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
+
+// Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
+// column col0, `valid` columns (whole vectors), each row times factor(t) unless plain; zeros
+// elsewhere. The same values as chunked::stage of ops.a_at etc., with 8 (or 4) elements a load;
+// needs KernelParams::rows_are_vectors.
+template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
+__device__ __forceinline__ void stage_vectors(scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0, int valid,
+                                              bool plain, Factor factor) {
+  constexpr int kVec = 16 / int(sizeof(scalar_t));
+  constexpr int kGroups = kWidth / kVec;  // vectors a row
+  static_assert(kWidth % kVec == 0, "rows are whole vectors");
+#pragma unroll 1
+  for (int i = threadIdx.x; i < kRows * kGroups; i += kThreads) {
+    const int row = i / kGroups, col = (i % kGroups) * kVec;
+    uint4 value = make_uint4(0u, 0u, 0u, 0u);
+    if (row < n && col < valid) {
+      value = __ldg(reinterpret_cast<const uint4*>(x.ptr + (t0 + row) * x.stride + col0 + col));
+      if (!plain) {
+        using T = MmaTraits<scalar_t>;
+        const float f = factor(t0 + row);
+        value = make_uint4(T::scale_word(value.x, f), T::scale_word(value.y, f), T::scale_word(value.z, f),
+                           T::scale_word(value.w, f));
+      }
+    }
+    *reinterpret_cast<uint4*>(dst + row * kStride + col) = value;
+  }
+}
+
+// chunked::stage_chunk, 16 bytes at a time (the operands in the input dtype, as they are).
+template <int DA, typename S, typename scalar_t, typename Ops>
+__device__ __forceinline__ void stage_chunk_vectors(scalar_t* a_s, scalar_t* b_s, scalar_t* c_s, float* extra_a_s,
+                                                    float* extra_b_s, const Ops& ops, int64_t t0, int n, int64_t Da,
+                                                    int64_t m0, int cols, bool with_a, bool extra_row) {
+  const int da = int(Da);
+  if (with_a) {
+    stage_vectors<C, DA, S::kAB>(a_s, ops.a_rows(), t0, n, 0, da, ops.a_is_plain(),
+                                 [&](int64_t t) { return ops.a_factor(t); });
+  }
+  stage_vectors<C, DA, S::kAB>(b_s, ops.b_rows(), t0, n, 0, da, ops.b_is_plain(),
+                               [&](int64_t t) { return ops.b_factor(t); });
+  stage_vectors<C, NB, S::kCS>(c_s, ops.c_rows(), t0, n, m0, cols, ops.c_is_plain(),
+                               [&](int64_t t) { return ops.c_factor(t); });
+  if (extra_row) chunked::stage_extra_row<C>(extra_a_s, extra_b_s, ops, t0, n);
+}
 
 }  // namespace tensorcore
 
@@ -333,8 +389,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     const int n = work.chunk_len(t0, C);
 
     __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
-    chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
-                                                              m0, cols, !state_only, extra_row);
+    if (p.rows_are_vectors) {
+      stage_chunk_vectors<DA, S>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+    } else {
+      chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
+                                                                m0, cols, !state_only, extra_row);
+    }
     __syncthreads();
 
     if (!state_only) {
@@ -474,10 +534,22 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
 }
 
+// Whether every input row the kernels read starts 16-byte aligned and E and M are whole 16-byte
+// vectors of `element` bytes: then they stage 16 bytes at a time.
+inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
+  const int64_t vec = 16 / element;
+  auto aligned = [&](const StridedTensor& t) {
+    return t.ptr == nullptr || (reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0 && t.stride_b % vec == 0 &&
+                                t.stride_h % vec == 0 && t.stride_l % vec == 0);
+  };
+  return p.E % vec == 0 && p.M % vec == 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) && aligned(p.dout);
+}
+
 template <Pass P, typename scalar_t, int DA>
 void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using namespace tensorcore;
   KernelParams p = params;
+  p.rows_are_vectors = rows_are_vectors(p, int64_t(sizeof(scalar_t)));
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
