@@ -15,6 +15,14 @@ DEVICE_KERNELS = [
     pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
 ]
 
+# The same for calls with states or cu_seqlens, which the CUDA chunked families take (chunked by
+# default, tensor-core forced).
+STATE_KERNELS = [
+    pytest.param("cpu", None, id="cpu"),
+    pytest.param("cuda", None, id="cuda", marks=CUDA),
+    pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
+]
+
 
 @pytest.fixture
 def use_kernel(monkeypatch):

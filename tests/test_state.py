@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import CUDA, DEVICES, cases
+from conftest import CUDA, DEVICES, STATE_KERNELS, cases
 from reference import make_inputs, make_state, reference_with_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
@@ -20,9 +20,9 @@ def time_slice(x, layout, start, stop):
     return x.narrow(time_dim(layout), start, stop - start)
 
 
-# Every dtype, normalize setting and layout.
+# Every dtype, normalize setting and layout, on each device and CUDA family that takes states.
 state_cases = cases(
-    pytest.mark.parametrize("device", DEVICES),
+    pytest.mark.parametrize("device,kernel", STATE_KERNELS),
     pytest.mark.parametrize("dtype", DTYPES, ids=str),
     pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"]),
     pytest.mark.parametrize("layout", ["bhld", "blhd"]),
@@ -30,7 +30,8 @@ state_cases = cases(
 
 
 @state_cases
-def test_state_matches_reference(layout, normalize, dtype, device):
+def test_state_matches_reference(layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
     B, H, L, E, M = 2, 3, 100, 17, 24
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
     state0 = fast_causal_attn.State(*(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)))
@@ -46,7 +47,8 @@ def test_state_matches_reference(layout, normalize, dtype, device):
 
 
 @state_cases
-def test_pieces_equal_whole(layout, normalize, dtype, device):
+def test_pieces_equal_whole(layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
     B, H, L, E, M = 2, 2, 150, 8, 12
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
     state0 = [x.to(device) for x in make_state(B, H, E, M, dtype, normalize)]
@@ -167,10 +169,12 @@ def test_bad_initial_state(bad, pattern):
 
 
 @CUDA
+@pytest.mark.parametrize("kernel", [None, "tensorcore"], ids=["default", "tensorcore"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-def test_state_on_cuda_long_sequences_with_segments(normalize):
+def test_state_on_cuda_long_sequences_with_segments(normalize, kernel, use_kernel):
     """Few (batch, head) pairs and a long sequence: the chunked kernels split time into segments,
     and the given state enters every segment's start while the last one writes the final state."""
+    use_kernel(kernel)
     B, H, L, E, M = 1, 2, 3000, 64, 64
     q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=normalize)
     state0 = fast_causal_attn.State(*(x.cuda() for x in make_state(B, H, E, M, torch.float32, normalize)))

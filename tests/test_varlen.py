@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import DEVICES
+from conftest import DEVICES, STATE_KERNELS
 from reference import make_inputs, make_state, relative_error, time_dim
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
@@ -20,11 +20,12 @@ def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7, device
     return q, k, v, cu
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device,kernel", STATE_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device):
+def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device, kernel, use_kernel):
+    use_kernel(kernel)
     q, k, v, cu = packed_case(layout, normalize, dtype, device=device)
     N, H, E, M = len(LENGTHS), 2, 6, 7
     state0 = [x.to(device) for x in make_state(N, H, E, M, dtype, normalize)]

@@ -74,17 +74,22 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   const bool a_is_e = P == Pass::Forward || P == Pass::GradV;
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
-  if (p.has_state_io() || p.cu_seqlens != nullptr) {  // only the chunked family takes states and packed sequences
+  const Family family = forced_family();
+  const bool tensorcore = family == Family::TensorCore && kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows;
+  if (p.has_state_io() || p.cu_seqlens != nullptr) {  // the chunked families take states and packed sequences
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",
                 int64_t(kMaxChunkedRows), ", got E = ", p.E, ", M = ", p.M);
-    run_chunked<P, scalar_t>(p, Da, Dc, stream);
+    if (tensorcore) {
+      run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+    } else {
+      run_chunked<P, scalar_t>(p, Da, Dc, stream);
+    }
     return;
   }
-  const Family family = forced_family();
   if (family == Family::Chunked && Da <= kMaxChunkedRows) {
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
-  } else if (family == Family::TensorCore && kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows) {
+  } else if (tensorcore) {
     run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
   } else {
     run_recurrent<P, scalar_t>(p, Da, Dc, stream);
