@@ -40,6 +40,9 @@ __global__ void __launch_bounds__(kDecodeWarps * kWarp) decode_step_kernel(const
   // This lane's column: S1[e][m] for the warp's rows, and q' . S1[:, m] over them.
   const acc_t vm = m < M ? acc_t(v[m]) : acc_t(0);
   acc_t sum = acc_t(0);
+  // Unrolled so that several rows' loads are in flight at once: the step is one pass over the
+  // state, bound by memory latency (B = 64 measured 101 us against a 32 us floor rolled).
+#pragma unroll 4
   for (int64_t e = warp; e < E; e += kDecodeWarps) {
     const acc_t ke = acc_t(k[e]);
     if (m < M) {
