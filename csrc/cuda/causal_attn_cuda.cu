@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include <ATen/ATen.h>
+#include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -52,9 +53,13 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
   }
 }
 
+// The user's TF32 setting for float32 matmuls, which the tensor-core kernels follow.
+bool tf32_allowed(const KernelParams& p) { return p.dtype == at::kFloat && at::globalContext().allowTF32CuBLAS(); }
+
 void launch_forward_cuda(const ForwardParams& params) {
   KernelParams p;
   static_cast<ForwardParams&>(p) = params;
+  p.tf32 = tf32_allowed(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // One timestep (decoding): the decoding-step kernel, 1.4-2.7x faster than the chunked kernels'
   // general path (H200, H = 16, E = M = 128, fp32 state, us for B = 1 / 8 / 64: 17.8 / 20.6 / 101
@@ -70,6 +75,7 @@ void launch_forward_cuda(const ForwardParams& params) {
 void launch_backward_cuda(const BackwardParams& params) {
   KernelParams p;
   static_cast<BackwardParams&>(p) = params;
+  p.tf32 = tf32_allowed(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor dout_dot_out;
   if (p.normalize && p.L > 0) {

@@ -27,6 +27,9 @@ struct KernelParams : BackwardParams {
   // Every input row starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).
   bool rows_are_vectors = false;
+  // float32 products may round their operands to TF32 once (instead of 3xTF32): only when the user
+  // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
+  bool tf32 = false;
 
   // Head dims above the largest bucket split the state's rows into slabs, one block each; the
   // slabs' partial outputs (and normalizer) are added into these, then finish_slabs_kernel

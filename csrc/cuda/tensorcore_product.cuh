@@ -12,7 +12,8 @@
 //
 // float16 and bfloat16: one m16n8k16 MMA a step, operands (and the state copy) 16-bit, loaded
 // with ldmatrix from rows padded by 16 bytes. float32: 3xTF32, three m16n8k8 TF32 MMAs a step
-// (see MmaTraits<float>), operands and state copy float32, so float32 stays float32-accurate.
+// (see MmaTraits<float>), operands and state copy float32, so float32 stays float32-accurate;
+// one TF32 MMA a step only when the user allowed TF32 for float32 matmuls (KernelParams::tf32).
 //
 // History: a WMMA version that went through shared memory between every product measured no
 // faster than the CUDA-core families (bf16 within -15% .. +17% of the recurrent family, fp32 2x
@@ -120,7 +121,7 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
     a.r[2] = pack(score[2 * k + 1][0], score[2 * k + 1][1]);
     a.r[3] = pack(score[2 * k + 1][2], score[2 * k + 1][3]);
   }
-  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
+  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b, bool /*tf32*/) {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       asm volatile(
           "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -233,9 +234,12 @@ struct MmaTraits<float> {
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
   }
-  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b) {
-    mma_tf32(d, a.lo, b.hi);  // the small terms first
-    mma_tf32(d, a.hi, b.lo);
+  // tf32: the user allowed TF32 for float32 matmuls (KernelParams::tf32): the heads alone.
+  __device__ static void mma(float (&d)[4], const AFrag& a, const BFrag& b, bool tf32) {
+    if (!tf32) {
+      mma_tf32(d, a.lo, b.hi);  // the small terms first
+      mma_tf32(d, a.hi, b.lo);
+    }
     mma_tf32(d, a.hi, b.hi);
   }
   __device__ static void store_pair(Smem* dst, float lo, float hi) {
@@ -346,6 +350,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
   const Operands<P, scalar_t, acc_t> ops = work.operands(p);
+  const bool tf32 = p.tf32;
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;  // this thread's rows of the chunk
   const int state_row0 = warp * (DA / kWarps);             // this warp's rows of the state
 
@@ -414,8 +419,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           if (kReverse ? jp < warp : jp > warp) continue;
           BFrag b[2];
           T::load_b_n_major(b, b_s, 16 * jp, k, S::kAB);
-          T::mma(score[2 * jp], a, b[0]);
-          T::mma(score[2 * jp + 1], a, b[1]);
+          T::mma(score[2 * jp], a, b[0], tf32);
+          T::mma(score[2 * jp + 1], a, b[1], tf32);
         }
       }
 
@@ -461,8 +466,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         for (int np = 0; np < NB / 16; ++np) {
           BFrag b[2];
           T::load_b_after_scores(b, c_s, k * kK, 16 * np, S::kCS);
-          T::mma(out[2 * np], a, b[0]);
-          T::mma(out[2 * np + 1], a, b[1]);
+          T::mma(out[2 * np], a, b[0], tf32);
+          T::mma(out[2 * np + 1], a, b[1], tf32);
         }
       }
 #pragma unroll kUnrollK
@@ -473,8 +478,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         for (int np = 0; np < NB / 16; ++np) {
           BFrag b[2];
           T::load_b_k_major(b, s_copy, k, 16 * np, S::kSS);
-          T::mma(out[2 * np], a, b[0]);
-          T::mma(out[2 * np + 1], a, b[1]);
+          T::mma(out[2 * np], a, b[0], tf32);
+          T::mma(out[2 * np + 1], a, b[1], tf32);
         }
       }
 
@@ -502,8 +507,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         for (int np = 0; np < NB / 16; ++np) {
           BFrag b[2];
           T::load_b_k_major(b, c_s, k, 16 * np, S::kCS);
-          T::mma(state[i][2 * np], a, b[0]);
-          T::mma(state[i][2 * np + 1], a, b[1]);
+          T::mma(state[i][2 * np], a, b[0], tf32);
+          T::mma(state[i][2 * np + 1], a, b[1], tf32);
         }
       }
     if (track_key_sum && tid < DA) {
