@@ -121,6 +121,9 @@ def main():
         for family in ("recurrent", "chunked", "tensorcore"):
             methods[f"fca {family}"] = fast_causal_attn.causal_dot_product
             families[f"fca {family}"] = family
+        # float32 with torch's TF32 switch on (one TF32 product a step), as fla's float32 runs
+        methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
+        families["fca tensorcore tf32"] = "tensorcore"
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
@@ -139,6 +142,8 @@ def main():
             cases = dict(methods)
             if dtype == torch.float64:
                 cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
+            if dtype != torch.float32:
+                cases.pop("fca tensorcore tf32", None)
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             cases.update(fla)
@@ -146,11 +151,14 @@ def main():
             for name, fn in cases.items():
                 if name in families:
                     os.environ["FAST_CAUSAL_ATTN_KERNEL"] = families[name]
+                tf32 = torch.backends.cuda.matmul.allow_tf32
+                torch.backends.cuda.matmul.allow_tf32 = name.endswith("tf32")
                 try:
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
                 finally:
                     os.environ.pop("FAST_CAUSAL_ATTN_KERNEL", None)
+                    torch.backends.cuda.matmul.allow_tf32 = tf32
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
