@@ -269,47 +269,61 @@ struct Layout {
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
 
+// A 16-byte copy from global to shared memory that does not wait (cp.async); zeros when !valid.
+__device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
 // Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
-// column col0, `valid` columns (whole vectors), each row times factor(t) unless plain; zeros
-// elsewhere. The same values as chunked::stage of ops.a_at etc., with 8 (or 4) elements a load;
-// needs KernelParams::rows_are_vectors.
+// column col0, `valid` columns (whole vectors), zeros elsewhere; with `scale`, each row then times
+// factor(t). The same values as chunked::stage of ops.a_at etc. Phase 0 issues this thread's
+// copies (cp.async: all of them in flight at once, no registers held); phase 1, after
+// wait_async_copies, scales the vectors this thread copied (its own copies are complete and
+// visible to it, so no barrier is needed between). Needs KernelParams::rows_are_vectors.
 template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
-__device__ __forceinline__ void stage_vectors(scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0, int valid,
-                                              bool plain, Factor factor) {
+__device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0,
+                                              int valid, bool scale, Factor factor) {
   constexpr int kVec = 16 / int(sizeof(scalar_t));
   constexpr int kGroups = kWidth / kVec;  // vectors a row
   static_assert(kWidth % kVec == 0, "rows are whole vectors");
-#pragma unroll 1
+  if (phase == 1 && !scale) return;
+#pragma unroll 1  // copies do not wait: one loop iteration a copy keeps them all in flight
   for (int i = threadIdx.x; i < kRows * kGroups; i += kThreads) {
     const int row = i / kGroups, col = (i % kGroups) * kVec;
-    uint4 value = make_uint4(0u, 0u, 0u, 0u);
-    if (row < n && col < valid) {
-      value = __ldg(reinterpret_cast<const uint4*>(x.ptr + (t0 + row) * x.stride + col0 + col));
-      if (!plain) {
-        using T = MmaTraits<scalar_t>;
-        const float f = factor(t0 + row);
-        value = make_uint4(T::scale_word(value.x, f), T::scale_word(value.y, f), T::scale_word(value.z, f),
-                           T::scale_word(value.w, f));
-      }
+    const bool inside = row < n && col < valid;
+    scalar_t* to = dst + row * kStride + col;
+    if (phase == 0) {
+      copy_async_16(to, inside ? x.ptr + (t0 + row) * x.stride + col0 + col : x.ptr, inside);
+    } else if (inside) {
+      using T = MmaTraits<scalar_t>;
+      const float f = factor(t0 + row);
+      const uint4 v = *reinterpret_cast<const uint4*>(to);
+      *reinterpret_cast<uint4*>(to) =
+          make_uint4(T::scale_word(v.x, f), T::scale_word(v.y, f), T::scale_word(v.z, f), T::scale_word(v.w, f));
     }
-    *reinterpret_cast<uint4*>(dst + row * kStride + col) = value;
   }
 }
 
-// chunked::stage_chunk, 16 bytes at a time (the operands in the input dtype, as they are).
+// chunked::stage_chunk, 16 bytes at a time (the operands in the input dtype).
 template <int DA, typename S, typename scalar_t, typename Ops>
 __device__ __forceinline__ void stage_chunk_vectors(scalar_t* a_s, scalar_t* b_s, scalar_t* c_s, float* extra_a_s,
                                                     float* extra_b_s, const Ops& ops, int64_t t0, int n, int64_t Da,
                                                     int64_t m0, int cols, bool with_a, bool extra_row) {
   const int da = int(Da);
-  if (with_a) {
-    stage_vectors<C, DA, S::kAB>(a_s, ops.a_rows(), t0, n, 0, da, ops.a_is_plain(),
-                                 [&](int64_t t) { return ops.a_factor(t); });
+  for (int phase = 0; phase < 2; ++phase) {  // copies of all three in flight, then the scaling
+    if (with_a) {
+      stage_vectors<C, DA, S::kAB>(phase, a_s, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
+                                   [&](int64_t t) { return ops.a_factor(t); });
+    }
+    stage_vectors<C, DA, S::kAB>(phase, b_s, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
+                                 [&](int64_t t) { return ops.b_factor(t); });
+    stage_vectors<C, NB, S::kCS>(phase, c_s, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
+                                 [&](int64_t t) { return ops.c_factor(t); });
+    if (phase == 0) wait_async_copies();
   }
-  stage_vectors<C, DA, S::kAB>(b_s, ops.b_rows(), t0, n, 0, da, ops.b_is_plain(),
-                               [&](int64_t t) { return ops.b_factor(t); });
-  stage_vectors<C, NB, S::kCS>(c_s, ops.c_rows(), t0, n, m0, cols, ops.c_is_plain(),
-                               [&](int64_t t) { return ops.c_factor(t); });
   if (extra_row) chunked::stage_extra_row<C>(extra_a_s, extra_b_s, ops, t0, n);
 }
 
