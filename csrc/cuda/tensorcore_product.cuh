@@ -248,7 +248,9 @@ struct MmaTraits<float> {
   __device__ static uint32_t scale_word(uint32_t w, float f) { return __float_as_uint(__uint_as_float(w) * f); }
 };
 
-// Shared memory, in bytes from the start, rows padded as the traits say.
+// Shared memory, in bytes from the start, rows padded as the traits say: the state's copy and
+// vectors, then one or two chunk buffers (two when the chunks are staged asynchronously, the next
+// one arriving while this one is worked on).
 template <typename T, int DA>
 struct Layout {
   using Smem = typename T::Smem;
@@ -256,17 +258,27 @@ struct Layout {
   static constexpr int kCS = NB + T::kPadC;
   static constexpr int kSS = NB + T::kPadS;
   static constexpr size_t kElem = sizeof(Smem);
-  static constexpr size_t a = 0;                                    // [C][kAB]
-  static constexpr size_t b = a + size_t(C) * kAB * kElem;          // [C][kAB]
-  static constexpr size_t c = b + size_t(C) * kAB * kElem;          // [C][kCS]
-  static constexpr size_t s_copy = c + size_t(C) * kCS * kElem;     // [DA][kSS]: the state entering the chunk
-  static constexpr size_t extra_a = s_copy + size_t(DA) * kSS * kElem;  // [C] float
-  static constexpr size_t extra_b = extra_a + C * 4;                    // [C]
-  static constexpr size_t extra_state = extra_b + C * 4;                // [NB]
+  static constexpr size_t s_copy = 0;                                   // [DA][kSS]: the state entering the chunk
+  static constexpr size_t extra_state = size_t(DA) * kSS * kElem;      // [NB] float
   static constexpr size_t key_sum = extra_state + NB * 4;               // [DA]
-  static constexpr size_t total = key_sum + DA * 4;
-  static_assert(b % 16 == 0 && c % 16 == 0 && s_copy % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
+  static constexpr size_t buffers = (key_sum + DA * 4 + 15) / 16 * 16;  // the chunk buffers
+  // One chunk buffer, offsets from its start:
+  static constexpr size_t a = 0;                                // [C][kAB]
+  static constexpr size_t b = a + size_t(C) * kAB * kElem;      // [C][kAB]
+  static constexpr size_t c = b + size_t(C) * kAB * kElem;      // [C][kCS]
+  static constexpr size_t extra_a = c + size_t(C) * kCS * kElem;  // [C] float
+  static constexpr size_t extra_b = extra_a + C * 4;              // [C]
+  static constexpr size_t buffer = (extra_b + C * 4 + 15) / 16 * 16;
+  static constexpr size_t bytes(int count) { return buffers + count * buffer; }
+  static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
+};
+
+// One chunk's operands in shared memory.
+template <typename Smem>
+struct ChunkBuffer {
+  Smem *a, *b, *c;
+  float *extra_a, *extra_b;
 };
 
 // A 16-byte copy from global to shared memory that does not wait (cp.async); zeros when !valid.
@@ -307,24 +319,34 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   }
 }
 
-// chunked::stage_chunk, 16 bytes at a time (the operands in the input dtype).
-template <int DA, typename S, typename scalar_t, typename Ops>
-__device__ __forceinline__ void stage_chunk_vectors(scalar_t* a_s, scalar_t* b_s, scalar_t* c_s, float* extra_a_s,
-                                                    float* extra_b_s, const Ops& ops, int64_t t0, int n, int64_t Da,
-                                                    int64_t m0, int cols, bool with_a, bool extra_row) {
+// chunked::stage_chunk, 16 bytes at a time, in two steps: issue_chunk starts the chunk's copies
+// (and stores its extra row), finish_chunk waits for this thread's copies and rescales what it
+// copied where the operand has a factor. A barrier after finish_chunk makes the chunk visible.
+template <int DA, typename S, typename Smem, typename Ops>
+__device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer<Smem>& buf, const Ops& ops,
+                                                    int64_t t0, int n, int64_t Da, int64_t m0, int cols, bool with_a,
+                                                    bool extra_row) {
   const int da = int(Da);
-  for (int phase = 0; phase < 2; ++phase) {  // copies of all three in flight, then the scaling
-    if (with_a) {
-      stage_vectors<C, DA, S::kAB>(phase, a_s, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
-                                   [&](int64_t t) { return ops.a_factor(t); });
-    }
-    stage_vectors<C, DA, S::kAB>(phase, b_s, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
-                                 [&](int64_t t) { return ops.b_factor(t); });
-    stage_vectors<C, NB, S::kCS>(phase, c_s, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
-                                 [&](int64_t t) { return ops.c_factor(t); });
-    if (phase == 0) wait_async_copies();
+  if (with_a) {
+    stage_vectors<C, DA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
+                                 [&](int64_t t) { return ops.a_factor(t); });
   }
-  if (extra_row) chunked::stage_extra_row<C>(extra_a_s, extra_b_s, ops, t0, n);
+  stage_vectors<C, DA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
+                               [&](int64_t t) { return ops.b_factor(t); });
+  stage_vectors<C, NB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
+                               [&](int64_t t) { return ops.c_factor(t); });
+  if (phase == 0 && extra_row) chunked::stage_extra_row<C>(buf.extra_a, buf.extra_b, ops, t0, n);
+}
+template <int DA, typename S, typename Smem, typename Ops>
+__device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
+                                            int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
+  stage_chunk_vectors<DA, S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
+}
+template <int DA, typename S, typename Smem, typename Ops>
+__device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
+                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
+  wait_async_copies();
+  stage_chunk_vectors<DA, S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 
 }  // namespace tensorcore
@@ -347,14 +369,15 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   constexpr int kUnrollK = sizeof(Smem) == 4 ? 1 : 4;
 
   extern __shared__ __align__(128) unsigned char tc_smem_raw[];
-  Smem* a_s = reinterpret_cast<Smem*>(tc_smem_raw + S::a);
-  Smem* b_s = reinterpret_cast<Smem*>(tc_smem_raw + S::b);
-  Smem* c_s = reinterpret_cast<Smem*>(tc_smem_raw + S::c);
   Smem* s_copy = reinterpret_cast<Smem*>(tc_smem_raw + S::s_copy);
-  float* extra_a_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_a);
-  float* extra_b_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_b);
   float* extra_state_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_state);
   float* key_sum_s = reinterpret_cast<float*>(tc_smem_raw + S::key_sum);
+  auto chunk_buffer = [&](int i) {
+    unsigned char* base = tc_smem_raw + S::buffers + i * S::buffer;
+    return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a), reinterpret_cast<Smem*>(base + S::b),
+                             reinterpret_cast<Smem*>(base + S::c), reinterpret_cast<float*>(base + S::extra_a),
+                             reinterpret_cast<float*>(base + S::extra_b)};
+  };
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
   const int g = lane / 4, q = lane % 4;  // an accumulator's rows g and g + 8, columns 2q and 2q + 1
@@ -402,19 +425,43 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   };
   if (!state_only) publish();
 
+  // Chunks staged 16 bytes at a time arrive asynchronously, each while the one before is worked
+  // on (two buffers); otherwise each is staged element by element when its turn comes (one).
+  const bool pipelined = p.rows_are_vectors;
   const int64_t chunks = work.chunk_count(C);
+  auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
+    t0 = work.chunk_begin(it, chunks, C);
+    n = work.chunk_len(t0, C);
+  };
+  if (pipelined && chunks > 0) {
+    int64_t t0;
+    int n;
+    chunk_at(0, t0, n);
+    issue_chunk<DA, S>(chunk_buffer(0), ops, t0, n, Da, m0, cols, !state_only, extra_row);
+  }
   for (int64_t it = 0; it < chunks; ++it) {
-    const int64_t t0 = work.chunk_begin(it, chunks, C);
-    const int n = work.chunk_len(t0, C);
-
-    __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
-    if (p.rows_are_vectors) {
-      stage_chunk_vectors<DA, S>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+    int64_t t0;
+    int n;
+    chunk_at(it, t0, n);
+    const ChunkBuffer<Smem> buf = chunk_buffer(pipelined ? int(it & 1) : 0);
+    Smem *a_s = buf.a, *b_s = buf.b, *c_s = buf.c;
+    float *extra_a_s = buf.extra_a, *extra_b_s = buf.extra_b;
+    if (pipelined) {
+      finish_chunk<DA, S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
+                        // buffer the next chunk now fills; the state copy is published
+      if (it + 1 < chunks) {
+        int64_t t1;
+        int n1;
+        chunk_at(it + 1, t1, n1);
+        issue_chunk<DA, S>(chunk_buffer(int((it + 1) & 1)), ops, t1, n1, Da, m0, cols, !state_only, extra_row);
+      }
     } else {
+      __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
       chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
                                                                 m0, cols, !state_only, extra_row);
+      __syncthreads();
     }
-    __syncthreads();
 
     if (!state_only) {
       // Scores A B^T of this warp's 16 rows over the chunk's 64 columns; the 16-column blocks
@@ -572,7 +619,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
-  const size_t smem = Layout<MmaTraits<scalar_t>, DA>::total;
+  const size_t smem = Layout<MmaTraits<scalar_t>, DA>::bytes(p.rows_are_vectors ? 2 : 1);
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
