@@ -7,6 +7,7 @@
 #   STAGES="build diag" ...     # toolchain, and which bad inputs crash instead of raising (backtrace)
 #   STAGES="build tests bench" TESTS="tensorcore" BENCH_ARGS="--no-peers --families" ...
 #                               # one kernel family's tests, then every family timed (no peers)
+#   STAGES="build profile" ...  # ncu of the tensor-core kernels (bf16 and fp32, fwd + bwd)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -60,6 +61,17 @@ if has sanitize; then
     rc=$?
     echo "compute-sanitizer $tool: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$tool.log") reports; $(tail -1 "$OUT/sanitize_$tool.log")"
     status=$(( status | rc ))
+  done
+fi
+
+if has profile; then  # where the tensor-core kernels' time goes
+  for dtype in bfloat16 float32; do
+    FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none -k regex:tensorcore_product_kernel \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+      --section WarpStateStats python benchmarks/profile_kernels.py 8 16 2048 64 64 bwd $dtype \
+      >"$OUT/ncu_tensorcore_$dtype.txt" 2>&1
+    grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" \
+      "$OUT/ncu_tensorcore_$dtype.txt" | head -60
   done
 fi
 

@@ -1,6 +1,11 @@
 """A few launches of the CUDA kernels at one shape, for ncu or compute-sanitizer to look at.
 
     ncu --clock-control none -k regex:causal_product python benchmarks/profile_kernels.py 8 16 2048 64 64
+    FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu -k regex:tensorcore python benchmarks/profile_kernels.py \\
+        8 16 2048 64 64 bwd bfloat16
+
+Arguments: B H L E M, then optionally `bwd` (forward and backward; `fwd` the forward alone) and a
+dtype (float32 by default).
 """
 import sys
 
@@ -10,9 +15,10 @@ import fast_causal_attn
 
 B, H, L, E, M = (int(x) for x in sys.argv[1:6])
 backward = len(sys.argv) > 6 and sys.argv[6] == "bwd"
-q = torch.randn(B, H, L, E, device="cuda") / E**0.5
-k = torch.randn(B, H, L, E, device="cuda") / E**0.5
-v = torch.randn(B, H, L, M, device="cuda", requires_grad=backward)
+dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
+q = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
+k = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
+v = torch.randn(B, H, L, M, device="cuda", dtype=dtype, requires_grad=backward)
 out = fast_causal_attn.causal_dot_product(q, k, v)
 if backward:
     out.backward(torch.randn_like(out))
