@@ -274,6 +274,41 @@ struct Layout {
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
 
+// Where this lane's accumulator elements sit: element e of n-tile j of a 16-row accumulator is at
+// row g + 8 (e / 2), column 8 j + 2 q + e % 2 (g = lane / 4, q = lane % 4). f(j, e, row, col) for
+// each, rows from row0, columns of kTiles n-tiles.
+template <int kTiles, typename F>
+__device__ __forceinline__ void for_each_accumulator(int row0, F f) {
+  const int lane = threadIdx.x % kWarp, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) f(j, e, row0 + g + (e >> 1) * 8, 8 * j + 2 * q + (e & 1));
+}
+
+// acc (16 rows, kTiles n-tiles of 8 columns) += 16 rows of A (a_s from row0, row stride ld) times
+// B over k = 0 .. DA: load_b(b, k, pair) loads B's 16 columns of tiles 2 pair and 2 pair + 1;
+// pairs with skip(pair) are left out (wholly outside the causal mask). kUnroll: how far the
+// k-loop unrolls.
+template <typename T, int DA, int kUnroll, int kTiles, typename LoadB, typename Skip>
+__device__ __forceinline__ void accumulate_a_rows(float (&acc)[kTiles][4], const typename T::Smem* a_s, int row0,
+                                                  int ld, bool tf32, LoadB load_b, Skip skip) {
+  constexpr int kPairs = kTiles / 2;
+#pragma unroll kUnroll
+  for (int k = 0; k < DA; k += T::kK) {
+    typename T::AFrag a;
+    T::load_a(a, a_s, row0, k, ld);
+#pragma unroll
+    for (int pair = 0; pair < kPairs; ++pair) {
+      if (skip(pair)) continue;
+      typename T::BFrag b[2];
+      load_b(b, k, pair);
+      T::mma(acc[2 * pair], a, b[0], tf32);
+      T::mma(acc[2 * pair + 1], a, b[1], tf32);
+    }
+  }
+}
+
 // One chunk's operands in shared memory.
 template <typename Smem>
 struct ChunkBuffer {
@@ -398,14 +433,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   {
     const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
 #pragma unroll
-    for (int i = 0; i < kStateTiles; ++i)
-#pragma unroll
-      for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = state_row0 + 16 * i + g + (e >> 1) * 8, col = 8 * j + 2 * q + (e & 1);
-          state[i][j][e] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
-        }
+    for (int i = 0; i < kStateTiles; ++i) {
+      for_each_accumulator<NB / 8>(state_row0 + 16 * i, [&](int j, int e, int row, int col) {
+        state[i][j][e] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
+      });
+    }
     if (!state_only && track_key_sum && tid < Da) key_sum = start.key_sum(tid);
     if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
@@ -466,38 +498,21 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     if (!state_only) {
       // Scores A B^T of this warp's 16 rows over the chunk's 64 columns; the 16-column blocks
       // wholly outside the causal mask are skipped.
-      float score[C / 8][4];
-#pragma unroll
-      for (int j = 0; j < C / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) score[j][e] = 0.f;
-#pragma unroll kUnrollK
-      for (int k = 0; k < DA; k += kK) {
-        AFrag a;
-        T::load_a(a, a_s, 16 * warp, k, S::kAB);
-#pragma unroll
-        for (int jp = 0; jp < C / 16; ++jp) {
-          if (kReverse ? jp < warp : jp > warp) continue;
-          BFrag b[2];
-          T::load_b_n_major(b, b_s, 16 * jp, k, S::kAB);
-          T::mma(score[2 * jp], a, b[0], tf32);
-          T::mma(score[2 * jp + 1], a, b[1], tf32);
-        }
-      }
+      float score[C / 8][4] = {};
+      accumulate_a_rows<T, DA, kUnrollK>(
+          score, a_s, 16 * warp, S::kAB, tf32,
+          [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB); },
+          [&](int pair) { return kReverse ? pair < warp : pair > warp; });
 
       // Mask, the normalizer's row sums (of the float scores), the extra row.
       float row_sum[2] = {0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < C / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = (e >> 1) ? row_hi : row_lo, col = 8 * j + 2 * q + (e & 1);
-          const bool keep = kReverse ? col >= row : col <= row;
-          float value = keep ? score[j][e] : 0.f;
-          row_sum[e >> 1] += value;
-          if (keep && extra_row) value += extra_a_s[row] * extra_b_s[col];
-          score[j][e] = value;
-        }
+      for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
+        const bool keep = kReverse ? col >= row : col <= row;
+        float value = keep ? score[j][e] : 0.f;
+        row_sum[e >> 1] += value;
+        if (keep && extra_row) value += extra_a_s[row] * extra_b_s[col];
+        score[j][e] = value;
+      });
       float den[2] = {1.f, 1.f};
       if (denominator) {  // eps + the row sum + a . key_sum, the quad's four lanes splitting the work
 #pragma unroll
@@ -513,11 +528,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
       }
 
       // Outputs P Cc + A S; the masked scores are the A operand of P Cc straight from registers.
-      float out[NB / 8][4];
-#pragma unroll
-      for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) out[j][e] = 0.f;
+      float out[NB / 8][4] = {};
 #pragma unroll
       for (int k = 0; k < C / kK; ++k) {
         if (kReverse ? k * kK < 16 * warp : k * kK >= 16 * (warp + 1)) continue;  // wholly outside the mask
@@ -531,30 +542,18 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           T::mma(out[2 * np + 1], a, b[1], tf32);
         }
       }
-#pragma unroll kUnrollK
-      for (int k = 0; k < DA; k += kK) {
-        AFrag a;
-        T::load_a(a, a_s, 16 * warp, k, S::kAB);
-#pragma unroll
-        for (int np = 0; np < NB / 16; ++np) {
-          BFrag b[2];
-          T::load_b_k_major(b, s_copy, k, 16 * np, S::kSS);
-          T::mma(out[2 * np], a, b[0], tf32);
-          T::mma(out[2 * np + 1], a, b[1], tf32);
-        }
-      }
+      accumulate_a_rows<T, DA, kUnrollK>(
+          out, a_s, 16 * warp, S::kAB, tf32,
+          [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
+          [](int) { return false; });
 
-#pragma unroll
-      for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = (e >> 1) ? row_hi : row_lo, col = 8 * j + 2 * q + (e & 1);
-          if (row >= n || col >= cols) continue;
-          float value = out[j][e];
-          if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
-          if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + col];
-          ops.store(t0 + row, m0 + col, value, den[e >> 1]);
-        }
+      for_each_accumulator<NB / 8>(16 * warp, [&](int j, int e, int row, int col) {
+        if (row >= n || col >= cols) return;
+        float value = out[j][e];
+        if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
+        if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + col];
+        ops.store(t0 + row, m0 + col, value, den[e >> 1]);
+      });
     }
 
     // S += B^T Cc on this warp's rows of the state (float32 accumulators throughout).
@@ -587,14 +586,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
   if (end.state != nullptr) {
 #pragma unroll
-    for (int i = 0; i < kStateTiles; ++i)
-#pragma unroll
-      for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = state_row0 + 16 * i + g + (e >> 1) * 8, col = 8 * j + 2 * q + (e & 1);
-          if (row < Da && col < cols) end.state[row * Dc + m0 + col] = state[i][j][e];
-        }
+    for (int i = 0; i < kStateTiles; ++i) {
+      for_each_accumulator<NB / 8>(state_row0 + 16 * i, [&](int j, int e, int row, int col) {
+        if (row < Da && col < cols) end.state[row * Dc + m0 + col] = state[i][j][e];
+      });
+    }
   }
   if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
