@@ -128,7 +128,8 @@ def main():
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
     rows = []
-    header = f"{'dtype':9} {'B, H, L, E, M':>22} {'method':>22} {'fwd ms':>9} {'fwd+bwd ms':>11} {'floor fwd / fwd+bwd':>20}"
+    header = (f"{'dtype':9} {'B, H, L, E, M':>22} {'method':>22} {'fwd ms':>9} {'fwd+bwd ms':>11} "
+              f"{'floor fwd / fwd+bwd':>20} {'x floor':>12}")
     print(header)
     print("-" * len(header))
     for dtype in dtypes:
@@ -162,7 +163,7 @@ def main():
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
-                      f"{floor[0]:9.3f} / {floor[1]:.3f}", flush=True)
+                      f"{floor[0]:9.3f} / {floor[1]:.3f} {fwd / floor[0]:5.1f} / {fwd_bwd / floor[1]:4.1f}", flush=True)
 
     os.makedirs(args.out, exist_ok=True)
     meta = dict(device=device, device_name=where, torch=torch.__version__, copy_bandwidth=bandwidth,
