@@ -109,6 +109,26 @@ def test_strided_inputs(layout, normalize, dtype, device, kernel, use_kernel):
     check_against_reference(q, k, v, scale=1.3, normalize=normalize, layout=layout)
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("offset", [0, 1, 3], ids=lambda o: f"offset{o}")
+def test_rows_at_any_alignment(offset, dtype, device, kernel, use_kernel):
+    """Head dims of whole 16-byte vectors, rows starting `offset` elements past an aligned address:
+    kernels that stage 16 bytes at a time must see that the rows are not aligned (offset 1 or 3)
+    and stage them element by element instead."""
+    use_kernel(kernel)
+    B, H, L, E, M = 2, 2, 150, 32, 64
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, normalize=True)
+    shifted = []
+    for x in (q, k, v):
+        flat = torch.empty(x.numel() + offset, dtype=dtype, device=device)
+        flat[offset:] = x.reshape(-1)
+        shifted.append(flat[offset:].view(x.shape))
+    assert all(t.storage_offset() == offset for t in shifted)
+    check_against_reference(*shifted, scale=0.6, normalize=True, layout="bhld")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_layout_views_are_not_copied(device):
     """A [B, L, H, D] tensor passed as "blhd" gives the same result as its bhld transpose, and the
