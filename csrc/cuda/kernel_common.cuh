@@ -42,7 +42,7 @@ struct KernelParams : BackwardParams {
   // (state_only) sums each segment's state into seg_*, the second starts each segment from the
   // sum of the segments before it (after it, in reverse). One segment: the tiled variant.
   int64_t segments = 1;
-  int64_t segment_len = 0;      // timesteps per segment, a multiple of kSteps
+  int64_t segment_len = 0;      // timesteps per segment, a multiple of the family's time step
   bool state_only = false;
   void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
   void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
@@ -50,7 +50,7 @@ struct KernelParams : BackwardParams {
 
   // The state a pass starts from and ends at (initial and final state, or their gradients), each
   // [B * H, ...] contiguous in the accumulation dtype, nullptr for none (see with_state_io in
-  // dispatch.cuh). Chunked family only.
+  // dispatch.cuh). Chunked and tensor-core families only.
   const void* start_state = nullptr;   // [B * H, Da, Dc], or [B * H, Dc, Da] when start_transposed
   bool start_transposed = false;
   const void* start_vector = nullptr;  // the forward's key sum [B * H, Da]; the extra row's [B * H, Dc]
@@ -61,17 +61,10 @@ struct KernelParams : BackwardParams {
   bool has_state_io() const { return start_state || start_vector || end_state || end_vector || out_bias; }
 };
 
-// What a, b and c are in each pass, element by element (r indexes a and b, m indexes c), and
-// what becomes of the output:
-//
-//   forward  a = q' = scale q   b = k            c = v          out = a S [/ den]
-//   grad q   a = g              b = v            c = k          dq  = scale * out
-//   grad k   a = v              b = g            c = q'         dk  = out        (reverse)
-//   grad v   a = k              b = q'           c = g          dv  = out        (reverse)
-//
-// with g = dO / den under normalize (dO otherwise). Under normalize the gradients of q and k also
-// have an extra row, the 1 of [v, 1] against the -(g . O) of [g, -(g . O)]; forward normalize
-// adds the denominator q' . sum k (a column of ones in c).
+// Which passes run backward in time and which carry the normalizer's extra terms. What a, b and c
+// are in each pass is Operands' table below. Under normalize the gradients of q and k have an
+// extra row (the normalizer's gradient against a row of ones); the forward adds the denominator
+// q' . sum k (a column of ones in c).
 template <Pass P>
 struct PassTraits {
   static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV;
@@ -103,13 +96,14 @@ struct Operands {
     out_l = o.stride_l;
   }
 
-  // Each of a, b and c is one input's rows, each row times a factor of its timestep:
+  // Each of a, b and c is one input's rows, each row times a factor of its timestep (a and b
+  // index the state's rows, c its columns), and the pass's product out becomes the output:
   //
-  //   pass     a              b                        c
-  //   forward  q scale        k                        v
-  //   dq       dO             v                        k
-  //   dk       v              dO                       q scale / den
-  //   dv       k              q scale / den            dO
+  //   pass     a              b                c                stored       direction
+  //   forward  q scale        k                v                out [/ den]  forward
+  //   dq       dO             v                k                out scale / den
+  //   dk       v              dO               q scale / den    out          reverse
+  //   dv       k              q scale / den    dO               out          reverse
   //
   // Under normalize the gradient flowing into the numerator is dO[t] / den[t]. dO itself stays an
   // operand as it is, and 1 / den[t] goes where it costs no rounding of its own: into dq at the
