@@ -97,6 +97,8 @@ def main():
     parser.add_argument("--no-peers", action="store_true", help="skip fast-transformers and fla even when present")
     parser.add_argument("--families", action="store_true",
                         help="on CUDA, also time each kernel family forced (FAST_CAUSAL_ATTN_KERNEL)")
+    parser.add_argument("--methods", default=None,
+                        help="comma-separated substrings: time only the methods whose name holds one, e.g. 'tensorcore,fla'")
     args = parser.parse_args()
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,6 +150,8 @@ def main():
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             cases.update(fla)
+            if args.methods:
+                cases = {name: fn for name, fn in cases.items() if any(m in name for m in args.methods.split(","))}
             blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v, dout)] if fla else None
             for name, fn in cases.items():
                 if name in families:

@@ -7,7 +7,7 @@
 #   STAGES="build diag" ...     # toolchain, and which bad inputs crash instead of raising (backtrace)
 #   STAGES="build tests bench" TESTS="tensorcore" BENCH_ARGS="--no-peers --families" ...
 #                               # one kernel family's tests, then every family timed (no peers)
-#   STAGES="build profile" ...  # ncu of the tensor-core kernels (bf16 and fp32, fwd + bwd)
+#   STAGES="build profile" PROFILE="8 16 2048 64 64 fwd bfloat16" ...  # ncu of the tensor-core kernels
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -48,7 +48,7 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
 fi
 
 if has tests; then
-  python -m pytest tests -q -k "${TESTS:-cuda or test_errors}" --maxfail=30 -p no:cacheprovider 2>&1 |
+  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors}" --maxfail=30 -p no:cacheprovider 2>&1 |
     tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
 fi
@@ -64,14 +64,20 @@ if has sanitize; then
   done
 fi
 
-if has profile; then  # where the tensor-core kernels' time goes
-  for dtype in bfloat16 float32; do
-    FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none -k regex:tensorcore_product_kernel \
-      --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-      --section WarpStateStats python benchmarks/profile_kernels.py 8 16 2048 64 64 bwd $dtype \
-      >"$OUT/ncu_tensorcore_$dtype.txt" 2>&1
-    grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy" \
-      "$OUT/ncu_tensorcore_$dtype.txt" | head -60
+if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L E M fwd|bwd dtype"
+  args=${PROFILE:-"8 16 2048 64 64 fwd bfloat16"}
+  name=tc_$(echo "$args" | tr ' ' '_')
+  FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none -k regex:tensorcore_product_kernel --set full \
+    --import-source yes -f -o "$OUT/$name" python benchmarks/profile_kernels.py $args >"$OUT/ncu_run.log" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1
+  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/${name}_sass.csv" 2>&1
+  grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
+    "$OUT/$name.txt" | head -40
+  for segments in 1 2; do  # the same launches unsegmented and in two segments, durations only
+    echo "FAST_CAUSAL_ATTN_SEGMENTS=$segments:"
+    FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none \
+      -k regex:tensorcore_product_kernel --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
+      grep -E "Duration|Grid Size"
   done
 fi
 

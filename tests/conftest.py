@@ -5,21 +5,24 @@ import torch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
-# (device, CUDA kernel family): the default dispatch on each device, and the chunked and
-# tensor-core families forced on CUDA (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the
-# whole grid (a family takes only the shapes and dtypes it can run; the rest go the default way).
+# (device, CUDA kernel family): the default dispatch on each device (tensor cores where they were
+# measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
+# (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the whole grid (a family takes only the
+# shapes and dtypes it can run; the rest go the default way).
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
+    pytest.param("cuda", "recurrent", id="cuda-recurrent", marks=CUDA),
     pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
     pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
 ]
 
-# The same for calls with states or cu_seqlens, which the CUDA chunked families take (chunked by
-# default, tensor-core forced).
+# The same for calls with states or cu_seqlens, which the CUDA chunked families take (tensor cores
+# where eligible, else the chunked family).
 STATE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
+    pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
     pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
 ]
 

@@ -74,10 +74,14 @@ def test_pieces_equal_whole(layout, normalize, dtype, device, kernel, use_kernel
 
     whole, pieces = run([0, L]), run([0, *splits, L])
     names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
-    # Outputs in 16-bit round once either way; everything else is accumulated in float32 or better.
-    tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    # Outputs in 16-bit round once either way; everything else is accumulated in float32 or better,
+    # except that under normalize the gradients read the 16-bit output back (dO . O), and an output
+    # element may round the other way when made in pieces (kernels that round products to 16 bits
+    # meet the state at other points; 1.5e-4 seen in bfloat16): 1e-3 there.
+    sixteen_bit = dtype in (torch.float16, torch.bfloat16)
+    tolerance = 1e-12 if dtype == torch.float64 else 1e-3 if (sixteen_bit and normalize) else 1e-5
     for name, a, b in zip(names, whole, pieces):
-        tol = TOLERANCE[dtype] if (dtype in (torch.float16, torch.bfloat16) and a.dtype == dtype) else tolerance
+        tol = TOLERANCE[dtype] if (sixteen_bit and a.dtype == dtype) else tolerance
         assert relative_error(b, a) <= tol, f"{name}: pieces {splits} differ from the whole sequence"
 
 

@@ -7,6 +7,8 @@ import fast_causal_attn
 from conftest import DEVICES, STATE_KERNELS
 from reference import make_inputs, make_state, relative_error, time_dim
 
+SIXTEEN_BIT_TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # test_state's TOLERANCE
+
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
 
@@ -51,7 +53,15 @@ def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device, ker
         pairs += [(x.grad.narrow(t, start, stop - start), a.grad) for x, a in zip(leaves[:3], alone)]
         pairs += [(x.grad[i : i + 1], a.grad) for x, a in zip(leaves[3:], init)]
         for j, (packed, single) in enumerate(pairs):
-            tolerance = 1e-13 if dtype == torch.float64 else 1e-6
+            # Packed, a sequence runs in one piece; alone, it may split into time segments. Kernels
+            # that round products to 16 bits then meet the state at other points: 16-bit results
+            # agree to 16-bit rounding, and the float32 results made from them to 1e-3.
+            if packed.dtype in (torch.float16, torch.bfloat16):
+                tolerance = SIXTEEN_BIT_TOLERANCE[packed.dtype]
+            elif dtype in (torch.float16, torch.bfloat16):
+                tolerance = 1e-3
+            else:
+                tolerance = 1e-13 if dtype == torch.float64 else 1e-6
             assert relative_error(packed, single) <= tolerance, (i, j)
 
 

@@ -15,14 +15,6 @@ namespace cuda {
 
 enum class Family { Default, Recurrent, Chunked, TensorCore, Decode };
 
-// The recurrent family by default: it was as fast or faster than the chunked family (CUDA-core
-// FMA micro-tiles) at every benchmark shape, forward+backward (H200, fp32 ms, recurrent / chunked:
-// 8,16,2048,64: 2.82 / 3.35; 4,16,8192,64: 6.35 / 7.44; 8,16,2048,128: 4.83 / 5.14;
-// 2,4,8192,64: 0.63 / 0.73; 1,16,32768,128: 23.7 / 23.9; 8,16,2048,64,128: 4.03 / 4.20; bf16 the
-// same order). The tensor-core family's first (WMMA) version was not faster either (H200,
-// fwd+bwd ms, recurrent / tensorcore: bf16 8,16,2048,64: 2.82 / 2.93; 2,4,8192,64: 0.56 / 0.66;
-// 8,16,2048,128: 4.99 / 4.35; fp32 (3xTF32) 2-2.2x slower; benchmarks/RESULTS.md); its mma.sync
-// rewrite is not measured yet, so the family stays opt-in.
 // FAST_CAUSAL_ATTN_KERNEL=recurrent, =chunked or =tensorcore forces a family where it can run
 // (chunked: Da <= 256; tensorcore: float16, bfloat16, float32, Da <= 128), so that the tests cover each;
 // =decode (as the default does) sends forwards of one timestep to the decoding-step kernel
@@ -67,6 +59,26 @@ KernelParams with_state_io(const KernelParams& p) {
   return s;
 }
 
+// The family a pass gets by default, from crossovers measured side by side (H200, forward +
+// backward ms, tensor-core / recurrent family; benchmarks/RESULTS.md, 2026-11-30):
+//  - float16 / bfloat16, Da <= 128: tensor cores, 1.4-13x faster at every benchmark shape
+//    (bf16 8,16,2048,64: 0.42 / 2.79; 2,4,8192,64: 0.39 / 0.57; 1,16,32768,128: 1.90 / 24.7).
+//  - float32 (3xTF32), Da <= 128: tensor cores (8,16,2048,64: 1.80 / 2.56; 4,16,8192,64: 4.24 /
+//    5.67; 1,16,32768,128: 13.99 / 21.94; 8,16,2048,64,128: 3.23 / 3.58), except where Da = 128
+//    (one block a multiprocessor: 243 registers, 209 KB of shared memory) needs more blocks than
+//    multiprocessors (8,16,2048,128: 5.94 / 4.44), and with fewer than 16 blocks (2,4,8192,64:
+//    0.75 / 0.59).
+//  - Da > 128, and float64: the recurrent family (the chunked family was never faster than it:
+//    8,16,2048,64 fp32 3.35 / 2.82, 1,16,32768,128 23.9 / 23.7, bf16 the same order).
+template <typename scalar_t>
+bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
+  if (!kTensorCoreInput<scalar_t> || Da > kMaxTensorCoreRows) return false;
+  if constexpr (!std::is_same_v<scalar_t, float>) return true;
+  const int64_t blocks = p.num_seqs * p.H * ((Dc + tensorcore::NB - 1) / tensorcore::NB);
+  if (Da > 64 && blocks > multiprocessor_count()) return false;
+  return blocks >= 16;
+}
+
 template <Pass P, typename scalar_t>
 void run_pass(const KernelParams& params, cudaStream_t stream) {
   const KernelParams p = with_state_io<P>(params);
@@ -75,7 +87,9 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
   const Family family = forced_family();
-  const bool tensorcore = family == Family::TensorCore && kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows;
+  const bool tensorcore = kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows &&
+                          (family == Family::TensorCore ||
+                           (family == Family::Default && tensorcore_by_default<scalar_t>(p, Da, Dc)));
   if (p.has_state_io() || p.cu_seqlens != nullptr) {  // the chunked families take states and packed sequences
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",

@@ -24,8 +24,8 @@ struct KernelParams : BackwardParams {
   // -dout_dot_out[t] / den[t]).
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
 
-  // Every input row starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
-  // rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).
+  // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
+  // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).
   bool rows_are_vectors = false;
   // float32 products may round their operands to TF32 once (instead of 3xTF32): only when the user
   // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
@@ -152,6 +152,13 @@ struct Operands {
   __device__ acc_t extra_a(int64_t s) const { return P == Pass::GradQ ? -dout_dot_out[s] : acc_t(1); }
   __device__ acc_t extra_b(int64_t s) const { return P == Pass::GradQ ? acc_t(1) : -dout_dot_out[s]; }
 
+  // What the product's row s is multiplied by when stored (denominator as for store), float32
+  // kernels only: one correctly rounded reciprocal a row (a division's slow path is a call, and
+  // the registers it clobbers spilled the tensor-core kernel's accumulators).
+  __device__ float out_factor(int64_t s, float denominator) const {
+    static_assert(std::is_same_v<acc_t, float>, "float32 accumulation");
+    return P == Pass::Forward ? __frcp_rn(denominator) : P == Pass::GradQ ? (den ? scale * __frcp_rn(den[s]) : scale) : 1.f;
+  }
   // denominator: the forward's normalizer at s (1 without normalize).
   __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {
     const acc_t result = P == Pass::Forward ? value / denominator

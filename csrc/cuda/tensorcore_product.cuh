@@ -17,8 +17,11 @@
 //
 // History: a WMMA version that went through shared memory between every product measured no
 // faster than the CUDA-core families (bf16 within -15% .. +17% of the recurrent family, fp32 2x
-// slower; benchmarks/RESULTS.md); this one removes exactly those round trips. Not yet run on a
-// GPU: FAST_CAUSAL_ATTN_KERNEL=tensorcore selects it (see dispatch.cuh).
+// slower; benchmarks/RESULTS.md); this one removes exactly those round trips, and writes its
+// outputs through shared memory 16 bytes a lane (H200, bf16 8,16,2048,64 forward: 0.180 ms with
+// element-wise stores, per-copy address arithmetic and a partial second wave of segments, 0.094 ms
+// without). The default family for
+// float16/bfloat16/float32 where it measured faster (dispatch.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -329,21 +332,27 @@ __device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wai
 // factor(t). The same values as chunked::stage of ops.a_at etc. Phase 0 issues this thread's
 // copies (cp.async: all of them in flight at once, no registers held); phase 1, after
 // wait_async_copies, scales the vectors this thread copied (its own copies are complete and
-// visible to it, so no barrier is needed between). Needs KernelParams::rows_are_vectors.
+// visible to it, so no barrier is needed between). A thread keeps one column and steps down the
+// rows, so that the 64-bit address arithmetic happens once a chunk (per copy it was most of the
+// staging's instructions). Needs KernelParams::rows_are_vectors.
 template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
 __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0,
                                               int valid, bool scale, Factor factor) {
   constexpr int kVec = 16 / int(sizeof(scalar_t));
-  constexpr int kGroups = kWidth / kVec;  // vectors a row
-  static_assert(kWidth % kVec == 0, "rows are whole vectors");
+  constexpr int kGroups = kWidth / kVec;      // vectors a row
+  constexpr int kStep = kThreads / kGroups;  // rows between a thread's vectors
+  static_assert(kWidth % kVec == 0 && kThreads % kGroups == 0 && kRows % kStep == 0, "whole vectors, even split");
   if (phase == 1 && !scale) return;
-#pragma unroll 1  // copies do not wait: one loop iteration a copy keeps them all in flight
-  for (int i = threadIdx.x; i < kRows * kGroups; i += kThreads) {
-    const int row = i / kGroups, col = (i % kGroups) * kVec;
-    const bool inside = row < n && col < valid;
-    scalar_t* to = dst + row * kStride + col;
+  const int row0 = threadIdx.x / kGroups, col = (threadIdx.x % kGroups) * kVec;
+  const bool column_inside = col < valid;
+  const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
+  const int64_t src_step = int64_t(kStep) * x.stride;
+  scalar_t* to = dst + row0 * kStride + col;
+#pragma unroll
+  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride) {
+    const bool inside = column_inside && row < n;
     if (phase == 0) {
-      copy_async_16(to, inside ? x.ptr + (t0 + row) * x.stride + col0 + col : x.ptr, inside);
+      copy_async_16(to, inside ? src : x.ptr, inside);
     } else if (inside) {
       using T = MmaTraits<scalar_t>;
       const float f = factor(t0 + row);
@@ -382,6 +391,30 @@ __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const
                                              int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
   wait_async_copies();
   stage_chunk_vectors<DA, S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
+}
+
+// One warp writes 16 rows x NB columns from shared memory (row stride kStride) to out (row stride
+// out_l): rows below `rows`, columns below `cols`; 16 bytes a lane when `vectors` (rows 16-byte
+// aligned, cols whole vectors), else one element a lane.
+template <int kStride, typename scalar_t>
+__device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, int64_t out_l, int rows, int cols,
+                                           bool vectors) {
+  const int lane = threadIdx.x % kWarp;
+  if (vectors) {
+    constexpr int kVec = 16 / int(sizeof(scalar_t)), kGroups = NB / kVec;
+#pragma unroll
+    for (int i = lane; i < 16 * kGroups; i += kWarp) {
+      const int row = i / kGroups, col = (i % kGroups) * kVec;
+      if (row < rows && col < cols) {
+        *reinterpret_cast<uint4*>(out + row * out_l + col) = *reinterpret_cast<const uint4*>(src + row * kStride + col);
+      }
+    }
+  } else {
+    for (int i = lane; i < 16 * NB; i += kWarp) {
+      const int row = i / NB, col = i % NB;
+      if (row < rows && col < cols) out[row * out_l + col] = src[row * kStride + col];
+    }
+  }
 }
 
 }  // namespace tensorcore
@@ -547,13 +580,36 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
           [](int) { return false; });
 
-      for_each_accumulator<NB / 8>(16 * warp, [&](int j, int e, int row, int col) {
-        if (row >= n || col >= cols) return;
-        float value = out[j][e];
-        if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
-        if (p.out_bias != nullptr) value += static_cast<const acc_t*>(p.out_bias)[pair * Dc + m0 + col];
-        ops.store(t0 + row, m0 + col, value, den[e >> 1]);
-      });
+      // The outputs, finished in registers (extra row, bias, normalizer or scale), rounded to the
+      // output dtype into this warp's own 16 rows of the A buffer (no other warp reads them, and
+      // this one is done with them), then written out row by row: coalesced, 16 bytes a lane
+      // where rows are vectors (element by element they were most of the kernel's instructions).
+      const acc_t* bias = p.out_bias != nullptr ? static_cast<const acc_t*>(p.out_bias) + pair * Dc + m0 : nullptr;
+      float factor[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = h ? row_hi : row_lo;
+        factor[h] = row < n ? float(ops.out_factor(t0 + row, den[h])) : 0.f;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = h ? row_hi : row_lo, col = 8 * j + 2 * q;
+          float value[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            value[e] = out[j][2 * h + e];
+            if (extra_row) value[e] += extra_a_s[row] * extra_state_s[col + e];  // the state entering the chunk
+            if (bias != nullptr && col + e < cols) value[e] += bias[col + e];
+            value[e] *= factor[h];
+          }
+          T::store_pair(a_s + row * S::kAB + col, value[0], value[1]);
+        }
+      __syncwarp();
+      write_rows<S::kAB>(a_s + 16 * warp * S::kAB, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l,
+                         n - 16 * warp, cols, p.rows_are_vectors);
     }
 
     // S += B^T Cc on this warp's rows of the state (float32 accumulators throughout).
@@ -596,7 +652,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
 }
 
-// Whether every input row the kernels read starts 16-byte aligned and E and M are whole 16-byte
+// Whether every row the kernels read or write starts 16-byte aligned and E and M are whole 16-byte
 // vectors of `element` bytes: then they stage 16 bytes at a time.
 inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
   const int64_t vec = 16 / element;
@@ -604,7 +660,8 @@ inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
     return t.ptr == nullptr || (reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0 && t.stride_b % vec == 0 &&
                                 t.stride_h % vec == 0 && t.stride_l % vec == 0);
   };
-  return p.E % vec == 0 && p.M % vec == 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) && aligned(p.dout);
+  return p.E % vec == 0 && p.M % vec == 0 && aligned(p.q) && aligned(p.k) && aligned(p.v) && aligned(p.dout) &&
+         aligned(p.o) && aligned(p.dq) && aligned(p.dk) && aligned(p.dv);
 }
 
 template <Pass P, typename scalar_t, int DA>
@@ -622,10 +679,13 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   int resident = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
-  // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence.
-  const int64_t segments = (p.cu_seqlens != nullptr || 2 * pairs * col_tiles > slots)
+  // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence. The
+  // segments fill one wave and no more: a partial second wave measured slower than fewer segments
+  // (8,16,2048,64 bf16 forward, 396 slots: 4 segments 185 us, 2 segments 151 us).
+  const int64_t blocks = pairs * col_tiles;
+  const int64_t segments = p.cu_seqlens != nullptr
                                ? 1
-                               : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
+                               : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 }
