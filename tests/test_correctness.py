@@ -86,6 +86,34 @@ def test_matches_reference(shape, layout, normalize, dtype, device, kernel, use_
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kernel):
+    """Positive keys summed over 4096 steps make a state of about 80000, past float16's largest
+    value (65504), while every output and gradient stays in range (scale 1e-3). Kernels that keep
+    a float16 copy of the state must scale it: the results are finite and float16-accurate.
+    (Plain PyTorch in float16 overflows here, so the tolerance is fixed, not relative to it.)"""
+    use_kernel(kernel)
+    gen = torch.Generator().manual_seed(4096)
+    B, H, L, E, M = 1, 2, 4096, 32, 32
+    q = torch.rand(B, H, L, E, generator=gen, dtype=torch.float64)
+    k = 0.5 + torch.rand(B, H, L, E, generator=gen, dtype=torch.float64)
+    v = 20 + torch.randn(B, H, L, M, generator=gen, dtype=torch.float64)
+    q, k, v = (x.to(device=device, dtype=torch.float16).requires_grad_() for x in (q, k, v))
+    kwargs = dict(scale=1e-3, normalize=normalize)
+    out = fast_causal_attn.causal_linear_attention(q, k, v, **kwargs)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=torch.float16)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    exact = reference_with_grads(q, k, v, grad_out, **kwargs)
+    assert exact[0].abs().max() < 60000 and all(g.abs().max() < 60000 for g in exact[1:])
+    magnitudes = (0.0, *gradient_magnitudes(q, k, v, grad_out, **kwargs))
+    for name, x, r, m in zip(("out", "grad_q", "grad_k", "grad_v"), (out, *grads), exact, magnitudes):
+        assert torch.isfinite(x).all(), f"{name} is not finite"
+        error = relative_error(x, r, m)
+        assert error <= 4 * ERROR_FLOOR[torch.float16], f"{name}: relative error {error:.3g}"
+
+
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
     """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
     contiguous, the one case that is copied); v: every other timestep of a longer buffer."""

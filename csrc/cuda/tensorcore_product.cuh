@@ -11,7 +11,8 @@
 // also in accumulators; a copy in shared memory serves the A S product of the next chunk.
 //
 // float16 and bfloat16: one m16n8k16 MMA a step, operands (and the state copy) 16-bit, loaded
-// with ldmatrix from rows padded by 16 bytes. float32: 3xTF32, three m16n8k8 TF32 MMAs a step
+// with ldmatrix from rows padded by 16 bytes; float16's copy is scaled by a power of two where the
+// state passes float16's range. float32: 3xTF32, three m16n8k8 TF32 MMAs a step
 // (see MmaTraits<float>), operands and state copy float32, so float32 stays float32-accurate;
 // one TF32 MMA a step only when the user allowed TF32 for float32 matmuls (KernelParams::tf32).
 //
@@ -27,6 +28,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cfloat>
 #include <cstdint>
 #include <type_traits>
 
@@ -264,7 +266,8 @@ struct Layout {
   static constexpr size_t s_copy = 0;                                   // [DA][kSS]: the state entering the chunk
   static constexpr size_t extra_state = size_t(DA) * kSS * kElem;      // [NB] float
   static constexpr size_t key_sum = extra_state + NB * 4;               // [DA]
-  static constexpr size_t buffers = (key_sum + DA * 4 + 15) / 16 * 16;  // the chunk buffers
+  static constexpr size_t warp_max = key_sum + DA * 4;                      // [kWarps] float
+  static constexpr size_t buffers = (warp_max + kWarps * 4 + 15) / 16 * 16;  // the chunk buffers
   // One chunk buffer, offsets from its start:
   static constexpr size_t a = 0;                                // [C][kAB]
   static constexpr size_t b = a + size_t(C) * kAB * kElem;      // [C][kAB]
@@ -440,6 +443,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   Smem* s_copy = reinterpret_cast<Smem*>(tc_smem_raw + S::s_copy);
   float* extra_state_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_state);
   float* key_sum_s = reinterpret_cast<float*>(tc_smem_raw + S::key_sum);
+  float* warp_max_s = reinterpret_cast<float*>(tc_smem_raw + S::warp_max);
   auto chunk_buffer = [&](int i) {
     unsigned char* base = tc_smem_raw + S::buffers + i * S::buffer;
     return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a), reinterpret_cast<Smem*>(base + S::b),
@@ -475,7 +479,36 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
   // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
+  // float16 ends at 65504, and a state can pass that long before any output does (keys of a
+  // positive feature map add up over thousands of steps). So the float16 copy holds S 2^-shift,
+  // shift chosen each chunk from the block's largest |S| (none while that stays below 2^14: then
+  // the copy is S, rounded), and the A S product is scaled back by copy_scale = 2^shift.
+  constexpr bool kScaledCopy = std::is_same_v<scalar_t, at::Half>;
+  float copy_scale = 1.f;
+  auto choose_copy_scale = [&] {
+    float largest = 0.f;
+#pragma unroll
+    for (int i = 0; i < kStateTiles; ++i)
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) largest = fmaxf(largest, fabsf(state[i][j][e]));
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+      largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+    }
+    if (lane == 0) warp_max_s[warp] = largest;
+    __syncthreads();  // the previous chunk's reads of warp_max_s are behind the loop's first barrier
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, warp_max_s[w]);
+    int shift = 0;
+    if (largest > 16384.f && largest <= FLT_MAX) frexpf(largest / 16384.f, &shift);  // largest 2^-shift <= 2^14
+    copy_scale = ldexpf(1.f, shift);
+  };
+  // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
   auto publish = [&] {
+    if constexpr (kScaledCopy) choose_copy_scale();
+    const float inverse = 1.f / copy_scale;  // a power of two: exact
 #pragma unroll
     for (int i = 0; i < kStateTiles; ++i)
 #pragma unroll
@@ -483,7 +516,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = state_row0 + 16 * i + g + h * 8, col = 8 * j + 2 * q;
-          T::store_pair(s_copy + row * S::kSS + col, state[i][j][2 * h], state[i][j][2 * h + 1]);
+          T::store_pair(s_copy + row * S::kSS + col, state[i][j][2 * h] * inverse, state[i][j][2 * h + 1] * inverse);
         }
     if (tid < DA) key_sum_s[tid] = key_sum;
     if (tid < NB) extra_state_s[tid] = extra_state;
@@ -560,8 +593,19 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         }
       }
 
-      // Outputs P Cc + A S; the masked scores are the A operand of P Cc straight from registers.
+      // Outputs A S + P Cc: A S first, so that it alone is scaled back from the state copy's scale;
+      // the masked scores are the A operand of P Cc straight from registers.
       float out[NB / 8][4] = {};
+      accumulate_a_rows<T, DA, kUnrollK>(
+          out, a_s, 16 * warp, S::kAB, tf32,
+          [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
+          [](int) { return false; });
+      if (kScaledCopy && copy_scale != 1.f) {
+#pragma unroll
+        for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) out[j][e] *= copy_scale;
+      }
 #pragma unroll
       for (int k = 0; k < C / kK; ++k) {
         if (kReverse ? k * kK < 16 * warp : k * kK >= 16 * (warp + 1)) continue;  // wholly outside the mask
@@ -575,10 +619,6 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           T::mma(out[2 * np + 1], a, b[1], tf32);
         }
       }
-      accumulate_a_rows<T, DA, kUnrollK>(
-          out, a_s, 16 * warp, S::kAB, tf32,
-          [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
-          [](int) { return false; });
 
       // The outputs, finished in registers (extra row, bias, normalizer or scale), rounded to the
       // output dtype into this warp's own 16 rows of the A buffer (no other warp reads them, and
