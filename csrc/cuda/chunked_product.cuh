@@ -86,23 +86,32 @@ __device__ __forceinline__ void load_vec(const acc_t* src, acc_t (&dst)[N]) {
 
 // Stages kRows x kWidth elements of one operand into shared memory rows of kStride, converted to
 // Dst, by a block of kBlock threads: thread tid loads column tid % kWidth of rows tid / kWidth +
-// k * (kBlock / kWidth), kBatch loads in flight before their stores.
+// k * (kBlock / kWidth), kBatch loads in flight before their stores. Rows wider than the block
+// go in slices of kBlock columns.
 template <int kRows, int kWidth, int kStride, int kBlock, typename Dst, typename Load>
 __device__ __forceinline__ void stage(Dst* dst, Load load) {
-  using Value = decltype(load(0, 0));
-  static_assert(kBlock % kWidth == 0, "every thread keeps one column");
-  constexpr int kRowStep = kBlock / kWidth;
-  constexpr int kPerThread = kRows / kRowStep;
-  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
-  static_assert(kRows % kRowStep == 0 && kPerThread % kBatch == 0, "staging must divide evenly");
-  const int col = threadIdx.x % kWidth, row0 = threadIdx.x / kWidth;
+  if constexpr (kWidth > kBlock) {
+    static_assert(kWidth % kBlock == 0, "whole slices");
 #pragma unroll 1
-  for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
-    Value r[kBatch];
+    for (int col0 = 0; col0 < kWidth; col0 += kBlock) {
+      stage<kRows, kBlock, kStride, kBlock>(dst + col0, [&](int t, int c) { return load(t, col0 + c); });
+    }
+  } else {
+    using Value = decltype(load(0, 0));
+    static_assert(kBlock % kWidth == 0, "every thread keeps one column");
+    constexpr int kRowStep = kBlock / kWidth;
+    constexpr int kPerThread = kRows / kRowStep;
+    constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
+    static_assert(kRows % kRowStep == 0 && kPerThread % kBatch == 0, "staging must divide evenly");
+    const int col = threadIdx.x % kWidth, row0 = threadIdx.x / kWidth;
+#pragma unroll 1
+    for (int k0 = 0; k0 < kPerThread; k0 += kBatch) {
+      Value r[kBatch];
 #pragma unroll
-    for (int kk = 0; kk < kBatch; ++kk) r[kk] = load(row0 + (k0 + kk) * kRowStep, col);
+      for (int kk = 0; kk < kBatch; ++kk) r[kk] = load(row0 + (k0 + kk) * kRowStep, col);
 #pragma unroll
-    for (int kk = 0; kk < kBatch; ++kk) dst[(row0 + (k0 + kk) * kRowStep) * kStride + col] = static_cast<Dst>(r[kk]);
+      for (int kk = 0; kk < kBatch; ++kk) dst[(row0 + (k0 + kk) * kRowStep) * kStride + col] = static_cast<Dst>(r[kk]);
+    }
   }
 }
 

@@ -4,7 +4,7 @@
 //   P = mask(A B^T),  out = P Cc + A S,  S += B^T Cc,
 //
 // laid out as flash-attention 2 lays out its softmax(Q K^T) V. A block is 4 warps and owns one
-// (sequence, head), NB = 64 columns of c and one time segment. Per chunk of C = 64 timesteps,
+// (sequence, head), NB columns of c (64; 32 when the state has DA = 256 rows) and one time segment. Per chunk of C = 64 timesteps,
 // warp w owns the chunk's rows 16w .. 16w + 15: its scores (a 16 x 64 accumulator) are masked,
 // take the extra row and the normalizer's row sums in registers, and become the A operand of
 // P Cc without leaving registers. The state S (DA x NB, float32) is split by rows over the warps,
@@ -41,7 +41,7 @@ namespace tensorcore {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int C = 64;   // timesteps per chunk: 16 rows a warp
-constexpr int NB = 64;  // columns of c per block
+// Columns of c per block (NB): 64, or 32 for DA = 256, where 64 would not fit the state in registers.
 static_assert(C == 16 * kWarps, "each warp owns 16 rows of the chunk");
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -256,9 +256,10 @@ struct MmaTraits<float> {
 // Shared memory, in bytes from the start, rows padded as the traits say: the state's copy and
 // vectors, then one or two chunk buffers (two when the chunks are staged asynchronously, the next
 // one arriving while this one is worked on).
-template <typename T, int DA>
+template <typename T, int DA, int NB>
 struct Layout {
   using Smem = typename T::Smem;
+  static constexpr int kDA = DA, kNB = NB;
   static constexpr int kAB = DA + T::kPadAB;  // row strides, in elements
   static constexpr int kCS = NB + T::kPadC;
   static constexpr int kSS = NB + T::kPadS;
@@ -276,6 +277,9 @@ struct Layout {
   static constexpr size_t extra_b = extra_a + C * 4;              // [C]
   static constexpr size_t buffer = (extra_b + C * 4 + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
+  // Two buffers where they fit the multiprocessor's 227 KB (all but float32 at DA = 256).
+  static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
+  static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
   static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
@@ -369,39 +373,40 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
 // chunked::stage_chunk, 16 bytes at a time, in two steps: issue_chunk starts the chunk's copies
 // (and stores its extra row), finish_chunk waits for this thread's copies and rescales what it
 // copied where the operand has a factor. A barrier after finish_chunk makes the chunk visible.
-template <int DA, typename S, typename Smem, typename Ops>
+template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer<Smem>& buf, const Ops& ops,
                                                     int64_t t0, int n, int64_t Da, int64_t m0, int cols, bool with_a,
                                                     bool extra_row) {
   const int da = int(Da);
   if (with_a) {
-    stage_vectors<C, DA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
+    stage_vectors<C, S::kDA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
                                  [&](int64_t t) { return ops.a_factor(t); });
   }
-  stage_vectors<C, DA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
+  stage_vectors<C, S::kDA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
                                [&](int64_t t) { return ops.b_factor(t); });
-  stage_vectors<C, NB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
+  stage_vectors<C, S::kNB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
                                [&](int64_t t) { return ops.c_factor(t); });
   if (phase == 0 && extra_row) chunked::stage_extra_row<C>(buf.extra_a, buf.extra_b, ops, t0, n);
 }
-template <int DA, typename S, typename Smem, typename Ops>
+template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
-  stage_chunk_vectors<DA, S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
+  stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
-template <int DA, typename S, typename Smem, typename Ops>
+template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
                                              int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
   wait_async_copies();
-  stage_chunk_vectors<DA, S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
+  stage_chunk_vectors<S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 
-// One warp writes 16 rows x NB columns from shared memory (row stride kStride) to out (row stride
-// out_l): rows below `rows`, columns below `cols`; 16 bytes a lane when `vectors` (rows 16-byte
-// aligned, cols whole vectors), else one element a lane.
-template <int kStride, typename scalar_t>
+// One warp writes 16 rows x S::kNB columns from its rows of an A buffer (row stride S::kAB) to out
+// (row stride out_l): rows below `rows`, columns below `cols`; 16 bytes a lane when `vectors`
+// (rows 16-byte aligned, cols whole vectors), else one element a lane.
+template <typename S, typename scalar_t>
 __device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, int64_t out_l, int rows, int cols,
                                            bool vectors) {
+  constexpr int NB = S::kNB, kStride = S::kAB;
   const int lane = threadIdx.x % kWarp;
   if (vectors) {
     constexpr int kVec = 16 / int(sizeof(scalar_t)), kGroups = NB / kVec;
@@ -422,14 +427,14 @@ __device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, i
 
 }  // namespace tensorcore
 
-template <Pass P, typename scalar_t, int DA>
+template <Pass P, typename scalar_t, int DA, int NB>
 __global__ void __launch_bounds__(tensorcore::kThreads)
     tensorcore_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using namespace tensorcore;
   using acc_t = float;
   using T = MmaTraits<scalar_t>;
   using Smem = typename T::Smem;
-  using S = Layout<T, DA>;
+  using S = Layout<T, DA, NB>;
   using AFrag = typename T::AFrag;
   using BFrag = typename T::BFrag;
   constexpr bool kReverse = PassTraits<P>::kReverse;
@@ -466,7 +471,10 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   // The state: tile i of this warp holds rows state_row0 + 16 i + (g, g + 8), columns 8 j + 2q (+1)
   // in state[i][j][0, 1] (row g) and [2, 3] (row g + 8).
   float state[kStateTiles][NB / 8][4];
-  float key_sum = 0.f, extra_state = 0.f;  // thread tid's entries: key_sum[tid] (< DA), extra_state[tid] (< NB)
+  // This thread's entries of the key sum (rows tid + kThreads i < DA) and of the extra row's state
+  // (column tid < NB).
+  constexpr int kKeys = (DA + kThreads - 1) / kThreads;
+  float key_sum[kKeys] = {}, extra_state = 0.f;
   {
     const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
 #pragma unroll
@@ -475,7 +483,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         state[i][j][e] = (!state_only && row < Da && col < cols) ? start.state(row, m0 + col) : 0.f;
       });
     }
-    if (!state_only && track_key_sum && tid < Da) key_sum = start.key_sum(tid);
+#pragma unroll
+    for (int i = 0; i < kKeys; ++i) {
+      const int row = tid + kThreads * i;
+      if (!state_only && track_key_sum && row < Da) key_sum[i] = start.key_sum(row);
+    }
     if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
   // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
@@ -518,14 +530,18 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           const int row = state_row0 + 16 * i + g + h * 8, col = 8 * j + 2 * q;
           T::store_pair(s_copy + row * S::kSS + col, state[i][j][2 * h] * inverse, state[i][j][2 * h + 1] * inverse);
         }
-    if (tid < DA) key_sum_s[tid] = key_sum;
+#pragma unroll
+    for (int i = 0; i < kKeys; ++i) {
+      if (tid + kThreads * i < DA) key_sum_s[tid + kThreads * i] = key_sum[i];
+    }
     if (tid < NB) extra_state_s[tid] = extra_state;
   };
   if (!state_only) publish();
 
   // Chunks staged 16 bytes at a time arrive asynchronously, each while the one before is worked
-  // on (two buffers); otherwise each is staged element by element when its turn comes (one).
-  const bool pipelined = p.rows_are_vectors;
+  // on (two buffers); with room for one buffer they are copied 16 bytes at a time when their turn
+  // comes, and rows that are not whole vectors element by element (one buffer).
+  const bool vectors = p.rows_are_vectors, pipelined = vectors && S::kBuffers == 2;
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
@@ -535,7 +551,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     int64_t t0;
     int n;
     chunk_at(0, t0, n);
-    issue_chunk<DA, S>(chunk_buffer(0), ops, t0, n, Da, m0, cols, !state_only, extra_row);
+    issue_chunk<S>(chunk_buffer(0), ops, t0, n, Da, m0, cols, !state_only, extra_row);
   }
   for (int64_t it = 0; it < chunks; ++it) {
     int64_t t0;
@@ -545,19 +561,24 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     Smem *a_s = buf.a, *b_s = buf.b, *c_s = buf.c;
     float *extra_a_s = buf.extra_a, *extra_b_s = buf.extra_b;
     if (pipelined) {
-      finish_chunk<DA, S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
       __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
                         // buffer the next chunk now fills; the state copy is published
       if (it + 1 < chunks) {
         int64_t t1;
         int n1;
         chunk_at(it + 1, t1, n1);
-        issue_chunk<DA, S>(chunk_buffer(int((it + 1) & 1)), ops, t1, n1, Da, m0, cols, !state_only, extra_row);
+        issue_chunk<S>(chunk_buffer(int((it + 1) & 1)), ops, t1, n1, Da, m0, cols, !state_only, extra_row);
       }
     } else {
       __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
-      chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
-                                                                m0, cols, !state_only, extra_row);
+      if (vectors) {
+        issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+        finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      } else {
+        chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
+                                                                  m0, cols, !state_only, extra_row);
+      }
       __syncthreads();
     }
 
@@ -648,7 +669,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           T::store_pair(a_s + row * S::kAB + col, value[0], value[1]);
         }
       __syncwarp();
-      write_rows<S::kAB>(a_s + 16 * warp * S::kAB, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l,
+      write_rows<S>(a_s + 16 * warp * S::kAB, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l,
                          n - 16 * warp, cols, p.rows_are_vectors);
     }
 
@@ -667,8 +688,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           T::mma(state[i][2 * np + 1], a, b[1], tf32);
         }
       }
-    if (track_key_sum && tid < DA) {
-      for (int t = 0; t < C; ++t) key_sum += static_cast<float>(b_s[t * S::kAB + tid]);
+#pragma unroll
+    for (int i = 0; i < kKeys; ++i) {
+      const int row = tid + kThreads * i;
+      if (track_key_sum && row < DA) {
+        for (int t = 0; t < C; ++t) key_sum[i] += static_cast<float>(b_s[t * S::kAB + row]);
+      }
     }
     if (extra_row && tid < NB) {
       for (int t = 0; t < C; ++t) extra_state += extra_b_s[t] * static_cast<float>(c_s[t * S::kCS + tid]);
@@ -688,7 +713,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
       });
     }
   }
-  if (end.key_sum != nullptr && track_key_sum && tid < Da && col_tile == 0) end.key_sum[tid] = key_sum;
+#pragma unroll
+  for (int i = 0; i < kKeys; ++i) {
+    const int row = tid + kThreads * i;
+    if (end.key_sum != nullptr && track_key_sum && row < Da && col_tile == 0) end.key_sum[row] = key_sum[i];
+  }
   if (end.extra != nullptr && extra_row && tid < cols) end.extra[m0 + tid] = extra_state;
 }
 
@@ -704,15 +733,16 @@ inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
          aligned(p.o) && aligned(p.dq) && aligned(p.dk) && aligned(p.dv);
 }
 
-template <Pass P, typename scalar_t, int DA>
+template <Pass P, typename scalar_t, int DA, int NB>
 void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using namespace tensorcore;
   KernelParams p = params;
   p.rows_are_vectors = rows_are_vectors(p, int64_t(sizeof(scalar_t)));
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
-  auto kernel = tensorcore_product_kernel<P, scalar_t, DA>;
-  const size_t smem = Layout<MmaTraits<scalar_t>, DA>::bytes(p.rows_are_vectors ? 2 : 1);
+  using S = Layout<MmaTraits<scalar_t>, DA, NB>;
+  auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
+  const size_t smem = S::bytes(p.rows_are_vectors ? S::kBuffers : 1);
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   }
@@ -730,7 +760,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 }
 
-constexpr int64_t kMaxTensorCoreRows = 128;
+constexpr int64_t kMaxTensorCoreRows = 256;
 
 template <typename scalar_t>
 constexpr bool kTensorCoreInput =
@@ -741,9 +771,11 @@ template <Pass P, typename scalar_t>
 void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
   if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 64) {
-      launch_tensorcore<P, scalar_t, 64>(p, Da, Dc, stream);
+      launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
+    } else if (Da <= 128) {
+      launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
     } else {
-      launch_tensorcore<P, scalar_t, 128>(p, Da, Dc, stream);
+      launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
     }
   } else {
     TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16, bfloat16 and float32 inputs");
