@@ -278,7 +278,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
   };
 
   if (!state_only) {  // start from the segments before this one (after, in reverse) and the given start
-    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
+    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc);
     for_each_in_corner([&](int kk, int nn, int row, int col) { state[kk][nn] = start.state(row, m0 + col); });
     if (track_key_sum && tid < Da) key_sum = start.key_sum(tid);
     if (extra_row && tid < cols) extra_state = start.extra(m0 + tid);
@@ -440,7 +440,8 @@ void launch_chunked(const KernelParams& params, int64_t Da, int64_t Dc, cudaStre
                                : choose_segments(pairs * col_tiles, slots, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, C, Da, Dc);
 
-  launch_segmented(kernel, p, pairs * col_tiles * p.segments, chunked::kThreads, smem, stream, Da, Dc, col_tiles);
+  launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, chunked::kThreads, smem, stream, Da, Dc,
+                      col_tiles);
 }
 
 // The head-dim bucket: the state's Da rows (a and b's width), up to kMaxChunkedRows.

@@ -39,8 +39,9 @@ struct KernelParams : BackwardParams {
   void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
 
   // The low-occupancy variant splits time into segments, one block each: a first launch
-  // (state_only) sums each segment's state into seg_*, the second starts each segment from the
-  // sum of the segments before it (after it, in reverse). One segment: the tiled variant.
+  // (state_only) sums each segment's state into seg_*, scan_segments turns those in place into
+  // the sum of the segments before each (after it, in reverse), and the second launch starts each
+  // segment from its slot. One segment: the tiled variant.
   int64_t segments = 1;
   int64_t segment_len = 0;      // timesteps per segment, a multiple of the family's time step
   bool state_only = false;
@@ -223,24 +224,20 @@ struct SegmentWorkspace {
   }
 };
 
-// Where a block of a pass starts, element by element: the sums of the segments before it (after
-// it, in reverse) plus the pass's given start (see with_state_io in dispatch.cuh). Not for the
-// state-only launch, which starts from zero. row < Da, col < Dc (global column).
+// Where a block of a pass starts, element by element: the sum of the segments before it (after
+// it, in reverse; scan_segments made that sum in place between the two launches) plus the pass's
+// given start (see with_state_io in dispatch.cuh). Not for the state-only launch, which starts
+// from zero. row < Da, col < Dc (global column).
 template <typename acc_t>
 struct SegmentStart {
   const KernelParams& p;
-  int64_t pair, first, last, Da, Dc;
+  int64_t slot, pair, Da, Dc;  // slot: this (pair, segment) in the workspace
 
-  __device__ SegmentStart(const KernelParams& params, int64_t pair_, int64_t segment, int64_t Da_, int64_t Dc_,
-                          bool reverse)
-      : p(params), pair(pair_), first(reverse ? segment + 1 : 0), last(reverse ? params.segments : segment),
-        Da(Da_), Dc(Dc_) {}
+  __device__ SegmentStart(const KernelParams& params, int64_t pair_, int64_t segment, int64_t Da_, int64_t Dc_)
+      : p(params), slot(pair_ * params.segments + segment), pair(pair_), Da(Da_), Dc(Dc_) {}
 
   __device__ acc_t state(int64_t row, int64_t col) const {
-    acc_t value = acc_t(0);
-    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
-      value += static_cast<const acc_t*>(p.seg_state)[((pair * p.segments + j) * Da + row) * Dc + col];
-    }
+    acc_t value = p.segments > 1 ? static_cast<const acc_t*>(p.seg_state)[(slot * Da + row) * Dc + col] : acc_t(0);
     if (p.start_state != nullptr) {
       const acc_t* start = static_cast<const acc_t*>(p.start_state);
       value += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
@@ -248,18 +245,12 @@ struct SegmentStart {
     return value;
   }
   __device__ acc_t key_sum(int64_t row) const {  // forward
-    acc_t value = acc_t(0);
-    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
-      value += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + j) * Da + row];
-    }
+    acc_t value = p.segments > 1 ? static_cast<const acc_t*>(p.seg_key_sum)[slot * Da + row] : acc_t(0);
     if (p.start_vector != nullptr) value += static_cast<const acc_t*>(p.start_vector)[pair * Da + row];
     return value;
   }
   __device__ acc_t extra(int64_t col) const {  // gradients of q and k under normalize
-    acc_t value = acc_t(0);
-    for (int64_t j = first; p.segments > 1 && j < last; ++j) {
-      value += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + col];
-    }
+    acc_t value = p.segments > 1 ? static_cast<const acc_t*>(p.seg_extra)[slot * Dc + col] : acc_t(0);
     if (p.start_vector != nullptr) value += static_cast<const acc_t*>(p.start_vector)[pair * Dc + col];
     return value;
   }
@@ -292,11 +283,40 @@ struct SegmentEnd {
 // The forward of one timestep from a state (csrc/cuda/decode_step.cu).
 void run_decode_step(const KernelParams& p, cudaStream_t stream);
 
+// Turns each segment's own sums (data: [pairs, segments, width]) into what the segment starts
+// from, in place: the sum over the segments before it (after it, in reverse). One thread per
+// (pair, element) walks the segments, so that no block of the pass sums all earlier segments
+// itself (that was O(segments^2) loads, most of them in the last segments' blocks).
+template <typename acc_t>
+__global__ void scan_segments_kernel(acc_t* data, int64_t pairs, int64_t segments, int64_t width, bool reverse) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= pairs * width) return;
+  acc_t* x = data + (i / width) * segments * width + i % width;
+  acc_t running = acc_t(0);
+  for (int64_t j = 0; j < segments; ++j) {
+    acc_t* slot = x + (reverse ? segments - 1 - j : j) * width;
+    const acc_t own = *slot;
+    *slot = running;
+    running += own;
+  }
+}
+
+template <typename acc_t>
+void scan_segments(const at::Tensor& sums, int64_t pairs, int64_t segments, bool reverse, cudaStream_t stream) {
+  if (sums.numel() == 0) return;
+  const int64_t width = sums.numel() / (pairs * segments);
+  const int64_t blocks = (pairs * width + 255) / 256;
+  scan_segments_kernel<acc_t><<<dim3(unsigned(blocks)), dim3(256), 0, stream>>>(sums.data_ptr<acc_t>(), pairs,
+                                                                                 segments, width, reverse);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Launches a segmented pass: with more than one segment, first the state-only launch that sums
-// each segment's state, then the pass itself. Both with the kernel's (params, Da, Dc, col_tiles).
-template <typename Kernel>
-void launch_segmented(Kernel kernel, const KernelParams& p, int64_t blocks, int threads, size_t smem,
-                      cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
+// each segment's state, the scans that turn those into each segment's start, then the pass
+// itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
+template <Pass P, typename Kernel>
+void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
+                      int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   if (smem > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -306,6 +326,14 @@ void launch_segmented(Kernel kernel, const KernelParams& p, int64_t blocks, int 
     sums.state_only = true;
     kernel<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(sums, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const int64_t pairs = p.num_seqs * p.H;
+    for (const at::Tensor* t : {&workspace.state, &workspace.key_sum, &workspace.extra}) {
+      if (t->scalar_type() == at::kDouble) {
+        scan_segments<double>(*t, pairs, p.segments, PassTraits<P>::kReverse, stream);
+      } else {
+        scan_segments<float>(*t, pairs, p.segments, PassTraits<P>::kReverse, stream);
+      }
+    }
   }
   kernel<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(p, Da, Dc, col_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -156,25 +156,21 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   auto seg_index = [&](int64_t j, int64_t row, int n) {
     return ((pair * p.segments + j) * Da + row) * Dc + m0 + lane + n * kCols;
   };
-  if (p.segments > 1 && !state_only) {  // start from the segments before this one (after, in reverse)
-    const int64_t first = Traits::kReverse ? segment + 1 : 0;
-    const int64_t last = Traits::kReverse ? p.segments : segment;
+  if (p.segments > 1 && !state_only) {  // start from the sum of the segments before this one (after, in reverse)
     const acc_t* seg_state = static_cast<const acc_t*>(p.seg_state);
-    for (int64_t j = first; j < last; ++j) {
 #pragma unroll
-      for (int r = 0; r < ROWS; ++r) {
-        const int64_t row = row_base + row0 + r;
-#pragma unroll
-        for (int n = 0; n < NC; ++n) {
-          if (row < Da && lane + n * kCols < cols) state[n][r] += seg_state[seg_index(j, row, n)];
-        }
-        if (denominator && row < Da) key_sum[r] += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + j) * Da + row];
-      }
+    for (int r = 0; r < ROWS; ++r) {
+      const int64_t row = row_base + row0 + r;
 #pragma unroll
       for (int n = 0; n < NC; ++n) {
-        if (extra_row && lane + n * kCols < cols) {
-          extra_state[n] += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + j) * Dc + m0 + lane + n * kCols];
-        }
+        if (row < Da && lane + n * kCols < cols) state[n][r] += seg_state[seg_index(segment, row, n)];
+      }
+      if (denominator && row < Da) key_sum[r] += static_cast<const acc_t*>(p.seg_key_sum)[(pair * p.segments + segment) * Da + row];
+    }
+#pragma unroll
+    for (int n = 0; n < NC; ++n) {
+      if (extra_row && lane + n * kCols < cols) {
+        extra_state[n] += static_cast<const acc_t*>(p.seg_extra)[(pair * p.segments + segment) * Dc + m0 + lane + n * kCols];
       }
     }
   }
@@ -365,8 +361,8 @@ void launch_recurrent(const KernelParams& params, int64_t Da, int64_t Dc, cudaSt
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, acc_t>(p, segments, kSteps, Da, Dc);
 
   const size_t smem = SmemLayout<ROWS, GROUPS, NC>::kElements * sizeof(acc_t);
-  launch_segmented(recurrent_product_kernel<P, scalar_t, ROWS, GROUPS, NC>, p, pairs * col_tiles * p.slabs * p.segments,
-                   kThreads, smem, stream, Da, Dc, col_tiles);
+  launch_segmented<P>(recurrent_product_kernel<P, scalar_t, ROWS, GROUPS, NC>, p, workspace,
+                      pairs * col_tiles * p.slabs * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 
   if (p.slabs > 1) {
     constexpr int kFinishThreads = 256;

@@ -476,7 +476,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   constexpr int kKeys = (DA + kThreads - 1) / kThreads;
   float key_sum[kKeys] = {}, extra_state = 0.f;
   {
-    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc, kReverse);
+    const SegmentStart<acc_t> start(p, pair, segment, Da, Dc);
 #pragma unroll
     for (int i = 0; i < kStateTiles; ++i) {
       for_each_accumulator<NB / 8>(state_row0 + 16 * i, [&](int j, int e, int row, int col) {
@@ -757,7 +757,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
                                ? 1
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
-  launch_segmented(kernel, p, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
+  launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
 }
 
 constexpr int64_t kMaxTensorCoreRows = 256;
