@@ -7,7 +7,8 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICE_KERNELS, DEVICES
-from reference import gradient_magnitudes, make_inputs, reference, reference_with_grads, relative_error, time_dim
+from reference import (gradient_magnitudes, make_inputs, make_state, reference, reference_with_grads, reference_with_state,
+                       relative_error, time_dim)
 
 # (B, H, L, E, M)
 SHAPES = [
@@ -114,6 +115,33 @@ def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kerne
         assert torch.isfinite(x).all(), f"{name} is not finite"
         error = relative_error(x, r, m)
         assert error <= 4 * ERROR_FLOOR[torch.float16], f"{name}: relative error {error:.3g}"
+
+
+CUDA_KERNELS = [p for p in DEVICE_KERNELS if p.values[0] == "cuda"]
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device,kernel", CUDA_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("segments", [2, 5, 16])
+def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, monkeypatch):
+    """Time split into segments, as the launchers split it for few (batch, head) pairs
+    (FAST_CAUSAL_ATTN_SEGMENTS forces the count; segment lengths round up to the family's step):
+    each segment starts from the scanned sum of the segments before it (after it, in the
+    gradients' reverse passes), and the last one in time writes the final state."""
+    use_kernel(kernel)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", str(segments))
+    B, H, L, E, M = 1, 2, 1100, 32, 48
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
+
+    state0 = [x.to(device) for x in make_state(B, H, E, M, dtype, normalize)]
+    out, state1 = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.8, normalize=normalize,
+                                                           initial_state=state0, return_final_state=True)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.8, normalize=normalize)
+    assert relative_error(out, ref_out) <= (1e-5 if dtype == torch.float32 else 1.6e-2)  # test_state's bound
+    assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
 
 
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
