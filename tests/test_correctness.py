@@ -144,6 +144,35 @@ def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, m
     assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("shape", [(2, 3, 65, 16, 16), (1, 2, 1000, 64, 64), (2, 2, 130, 64, 24), (2, 2, 70, 3, 17)],
+                         ids=shape_id)
+def test_fused_grad_kv_matches_two_passes(shape, normalize, dtype, device, use_kernel, monkeypatch):
+    """The tensor-core family's one pass for dk and dv (E, M <= 64, no states) gives what its two
+    separate passes give (FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0): the same products of the same
+    rounded operands, the state accumulated once instead of twice (float32 sums in another
+    order, then rounded to 16 bits: a few 16-bit results one rounding apart)."""
+    use_kernel("tensorcore")
+    q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
+    grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=dtype)
+
+    def gradients():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    fused = gradients()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    separate = gradients()
+    tolerance = 1e-5 if dtype == torch.float32 else 4 * ERROR_FLOOR[dtype]
+    for name, a, b in zip(("grad_q", "grad_k", "grad_v"), fused, separate):
+        assert relative_error(a, b) <= tolerance, name
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")  # the two passes
+
+
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
     """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
     contiguous, the one case that is copied); v: every other timestep of a longer buffer."""

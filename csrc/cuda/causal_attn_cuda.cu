@@ -91,8 +91,10 @@ void launch_backward_cuda(const BackwardParams& params) {
     });
   }
   run_grad_q_pass(p, stream);
-  run_grad_k_pass(p, stream);
-  run_grad_v_pass(p, stream);
+  if (!run_grad_kv_pass(p, stream)) {
+    run_grad_k_pass(p, stream);
+    run_grad_v_pass(p, stream);
+  }
   if (!p.normalize && p.grad_initial_k_sum != nullptr) {  // the key sum passes straight through
     const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);
     if (p.grad_final_k_sum != nullptr) {

@@ -111,6 +111,29 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   }
 }
 
+// The gradients of k and v in one tensor-core pass (Pass::GradKV, see tensorcore_product.cuh)
+// where both would run on tensor cores and E, M <= 64, without states in or out or packed
+// sequences (those keep the two passes). FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 keeps the two passes
+// (for measuring). Returns whether it ran.
+template <typename scalar_t>
+bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
+  if constexpr (kTensorCoreInput<scalar_t>) {
+    const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
+    if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
+    if (p.E > 64 || p.M > 64 || p.cu_seqlens != nullptr) return false;
+    if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
+    const Family family = forced_family();
+    const bool tensorcore = family == Family::TensorCore ||
+                            (family == Family::Default && tensorcore_by_default<scalar_t>(p, p.M, p.E) &&
+                             tensorcore_by_default<scalar_t>(p, p.E, p.M));
+    if (!tensorcore) return false;
+    launch_tensorcore<Pass::GradKV, scalar_t, 64, 64>(p, p.M, p.E, stream);  // the dk pass's Da, Dc
+    return true;
+  } else {
+    return false;
+  }
+}
+
 template <Pass P>
 void run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn (CUDA)",
@@ -122,6 +145,7 @@ void run_forward_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_q_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_k_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);
+bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream);  // false: run the two passes
 
 }  // namespace cuda
 }  // namespace fast_causal_attn

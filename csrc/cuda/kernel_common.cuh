@@ -17,7 +17,9 @@ namespace cuda {
 
 constexpr int kWarp = 32;
 
-enum class Pass { Forward, GradQ, GradK, GradV };
+// GradKV: the gradients of k and v in one reverse pass (the tensor-core family's fused pass): the
+// operands and output of GradK, plus dv from the same state (see tensorcore_product.cuh).
+enum class Pass { Forward, GradQ, GradK, GradV, GradKV };
 
 struct KernelParams : BackwardParams {
   // dO[t] . O[t], made by backward_prepare_kernel when normalize (the normalizer's gradient is
@@ -68,13 +70,14 @@ struct KernelParams : BackwardParams {
 // q' . sum k (a column of ones in c).
 template <Pass P>
 struct PassTraits {
-  static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV;
-  static constexpr bool kMayHaveExtraRow = P == Pass::GradQ || P == Pass::GradK;
+  static constexpr bool kReverse = P == Pass::GradK || P == Pass::GradV || P == Pass::GradKV;
+  static constexpr bool kMayHaveExtraRow = P == Pass::GradQ || P == Pass::GradK || P == Pass::GradKV;
   static constexpr bool kMayHaveDenominator = P == Pass::Forward;
 };
 
-template <Pass P, typename scalar_t, typename acc_t>
+template <Pass P_, typename scalar_t, typename acc_t>
 struct Operands {
+  static constexpr Pass P = P_ == Pass::GradKV ? Pass::GradK : P_;  // the fused pass's own operands are GradK's
   const scalar_t *q, *k, *v, *dout;  // this (batch, head)'s rows
   int64_t q_l, k_l, v_l, dout_l;     // their timestep strides
   scalar_t* out;                     // o, dq, dk or dv

@@ -256,7 +256,7 @@ struct MmaTraits<float> {
 // Shared memory, in bytes from the start, rows padded as the traits say: the state's copy and
 // vectors, then one or two chunk buffers (two when the chunks are staged asynchronously, the next
 // one arriving while this one is worked on).
-template <typename T, int DA, int NB>
+template <typename T, int DA, int NB, bool kSecondA = false>
 struct Layout {
   using Smem = typename T::Smem;
   static constexpr int kDA = DA, kNB = NB;
@@ -275,12 +275,13 @@ struct Layout {
   static constexpr size_t c = b + size_t(C) * kAB * kElem;      // [C][kCS]
   static constexpr size_t extra_a = c + size_t(C) * kCS * kElem;  // [C] float
   static constexpr size_t extra_b = extra_a + C * 4;              // [C]
-  static constexpr size_t buffer = (extra_b + C * 4 + 15) / 16 * 16;
+  static constexpr size_t a2 = extra_b + C * 4;                     // [C][kAB], the fused pass's k
+  static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
   // Two buffers where they fit the multiprocessor's 227 KB (all but float32 at DA = 256).
   static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
   static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
-  static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0, "rows stay 16-byte aligned");
+  static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0 && a2 % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
 };
 
@@ -324,6 +325,7 @@ template <typename Smem>
 struct ChunkBuffer {
   Smem *a, *b, *c;
   float *extra_a, *extra_b;
+  Smem* a2;  // the fused pass's second A operand (k), else unused
 };
 
 // A 16-byte copy from global to shared memory that does not wait (cp.async); zeros when !valid.
@@ -434,7 +436,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   using acc_t = float;
   using T = MmaTraits<scalar_t>;
   using Smem = typename T::Smem;
-  using S = Layout<T, DA, NB>;
+  constexpr bool kFused = P == Pass::GradKV;  // dk and dv in one pass (see below)
+  using S = Layout<T, DA, NB, kFused>;
+  static_assert(!kFused || DA == NB, "the fused pass reads its state copy both ways: square");
   using AFrag = typename T::AFrag;
   using BFrag = typename T::BFrag;
   constexpr bool kReverse = PassTraits<P>::kReverse;
@@ -451,9 +455,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   float* warp_max_s = reinterpret_cast<float*>(tc_smem_raw + S::warp_max);
   auto chunk_buffer = [&](int i) {
     unsigned char* base = tc_smem_raw + S::buffers + i * S::buffer;
-    return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a), reinterpret_cast<Smem*>(base + S::b),
-                             reinterpret_cast<Smem*>(base + S::c), reinterpret_cast<float*>(base + S::extra_a),
-                             reinterpret_cast<float*>(base + S::extra_b)};
+    return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a),       reinterpret_cast<Smem*>(base + S::b),
+                             reinterpret_cast<Smem*>(base + S::c),       reinterpret_cast<float*>(base + S::extra_a),
+                             reinterpret_cast<float*>(base + S::extra_b), reinterpret_cast<Smem*>(base + S::a2)};
   };
 
   const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp;
@@ -464,6 +468,13 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
   const Operands<P, scalar_t, acc_t> ops = work.operands(p);
+  // The fused pass (GradKV, Da = M and Dc = E up to 64, one column tile) is the dk pass (a = v,
+  // b = dO, c = q' = q scale / den, state S = sum dO^T q', out dk) plus the dv pass, whose
+  // operands are the same arrays the other way round (a = k, b = q', c = dO) and whose state,
+  // sum q'^T dO, is S^T: per chunk each warp's rows also take dv = mask(K q'^T) dO + K S^T, with
+  // K staged as a second A operand (a2) and S^T read from the same state copy, n-major. One pass
+  // stages q and dO once and keeps one state where two passes each did.
+  const Operands<Pass::GradV, scalar_t, acc_t> ops_v(p, work.seq.b, work.seq.h, ops.den, nullptr, work.seq.begin);
   const bool tf32 = p.tf32;
   const int row_lo = 16 * warp + g, row_hi = row_lo + 8;  // this thread's rows of the chunk
   const int state_row0 = warp * (DA / kWarps);             // this warp's rows of the state
@@ -538,6 +549,53 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   };
   if (!state_only) publish();
 
+  // A S products read the state copy: scaled back by its scale (float16 only; see publish).
+  auto scale_back = [&](float (&acc)[NB / 8][4]) {
+    if (kScaledCopy && copy_scale != 1.f) {
+#pragma unroll
+      for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] *= copy_scale;
+    }
+  };
+  // acc += P X for this warp's 16 rows: the masked scores P are the A operand straight from
+  // registers, X (the chunk's rows t, row stride ld) the B operand; k-steps wholly outside the
+  // causal mask are skipped.
+  auto accumulate_scores_times = [&](float (&acc)[NB / 8][4], const float (&scores)[C / 8][4], const Smem* x, int ld) {
+#pragma unroll
+    for (int k = 0; k < C / kK; ++k) {
+      if (kReverse ? k * kK < 16 * warp : k * kK >= 16 * (warp + 1)) continue;
+      AFrag a;
+      T::score_as_a(a, scores, k);
+#pragma unroll
+      for (int np = 0; np < NB / 16; ++np) {
+        BFrag b[2];
+        T::load_b_after_scores(b, x, k * kK, 16 * np, ld);
+        T::mma(acc[2 * np], a, b[0], tf32);
+        T::mma(acc[2 * np + 1], a, b[1], tf32);
+      }
+    }
+  };
+  // Writes this warp's 16 output rows: each value finished in registers (finish(value, row, col,
+  // h), h = 0 for row g, 1 for g + 8), rounded to the output dtype into the warp's own rows of an
+  // A buffer (no other warp reads them, and this one is done with them), then written out row by
+  // row to out_rows (this warp's first row): coalesced, 16 bytes a lane where rows are vectors
+  // (element by element they were most of the kernel's instructions).
+  auto write_outputs = [&](const float (&acc)[NB / 8][4], Smem* rows_s, scalar_t* out_rows, int64_t out_l,
+                           int out_cols, int n, auto finish) {
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = h ? row_hi : row_lo, col = 8 * j + 2 * q;
+        T::store_pair(rows_s + row * S::kAB + col, finish(acc[j][2 * h], row, col, h),
+                      finish(acc[j][2 * h + 1], row, col + 1, h));
+      }
+    __syncwarp();
+    write_rows<S>(rows_s + 16 * warp * S::kAB, out_rows, out_l, n - 16 * warp, out_cols, p.rows_are_vectors);
+  };
+
   // Chunks staged 16 bytes at a time arrive asynchronously, each while the one before is worked
   // on (two buffers); with room for one buffer they are copied 16 bytes at a time when their turn
   // comes, and rows that are not whole vectors element by element (one buffer).
@@ -547,11 +605,20 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     t0 = work.chunk_begin(it, chunks, C);
     n = work.chunk_len(t0, C);
   };
+  auto issue = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
+    issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+    if (kFused && !state_only) {  // k, E = Dc columns, as it is
+      stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
+    }
+  };
+  auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
+    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);  // waits for a2's copies too
+  };
   if (pipelined && chunks > 0) {
     int64_t t0;
     int n;
     chunk_at(0, t0, n);
-    issue_chunk<S>(chunk_buffer(0), ops, t0, n, Da, m0, cols, !state_only, extra_row);
+    issue(chunk_buffer(0), t0, n);
   }
   for (int64_t it = 0; it < chunks; ++it) {
     int64_t t0;
@@ -561,23 +628,27 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     Smem *a_s = buf.a, *b_s = buf.b, *c_s = buf.c;
     float *extra_a_s = buf.extra_a, *extra_b_s = buf.extra_b;
     if (pipelined) {
-      finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      finish(buf, t0, n);
       __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
                         // buffer the next chunk now fills; the state copy is published
       if (it + 1 < chunks) {
         int64_t t1;
         int n1;
         chunk_at(it + 1, t1, n1);
-        issue_chunk<S>(chunk_buffer(int((it + 1) & 1)), ops, t1, n1, Da, m0, cols, !state_only, extra_row);
+        issue(chunk_buffer(int((it + 1) & 1)), t1, n1);
       }
     } else {
       __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
       if (vectors) {
-        issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
-        finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+        issue(buf, t0, n);
+        finish(buf, t0, n);
       } else {
         chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
                                                                   m0, cols, !state_only, extra_row);
+        if (kFused && !state_only) {
+          chunked::stage<C, DA, S::kAB, kThreads>(
+              buf.a2, [&](int t, int r) { return t < n && r < Dc ? ops_v.a_at(t0 + t, r) : acc_t(0); });
+        }
       }
       __syncthreads();
     }
@@ -621,30 +692,10 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
           out, a_s, 16 * warp, S::kAB, tf32,
           [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
           [](int) { return false; });
-      if (kScaledCopy && copy_scale != 1.f) {
-#pragma unroll
-        for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) out[j][e] *= copy_scale;
-      }
-#pragma unroll
-      for (int k = 0; k < C / kK; ++k) {
-        if (kReverse ? k * kK < 16 * warp : k * kK >= 16 * (warp + 1)) continue;  // wholly outside the mask
-        AFrag a;
-        T::score_as_a(a, score, k);
-#pragma unroll
-        for (int np = 0; np < NB / 16; ++np) {
-          BFrag b[2];
-          T::load_b_after_scores(b, c_s, k * kK, 16 * np, S::kCS);
-          T::mma(out[2 * np], a, b[0], tf32);
-          T::mma(out[2 * np + 1], a, b[1], tf32);
-        }
-      }
+      scale_back(out);
+      accumulate_scores_times(out, score, c_s, S::kCS);
 
-      // The outputs, finished in registers (extra row, bias, normalizer or scale), rounded to the
-      // output dtype into this warp's own 16 rows of the A buffer (no other warp reads them, and
-      // this one is done with them), then written out row by row: coalesced, 16 bytes a lane
-      // where rows are vectors (element by element they were most of the kernel's instructions).
+      // The outputs, finished in registers (extra row, bias, normalizer or scale).
       const acc_t* bias = p.out_bias != nullptr ? static_cast<const acc_t*>(p.out_bias) + pair * Dc + m0 : nullptr;
       float factor[2];
 #pragma unroll
@@ -652,25 +703,32 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
         const int row = h ? row_hi : row_lo;
         factor[h] = row < n ? float(ops.out_factor(t0 + row, den[h])) : 0.f;
       }
-      __syncwarp();
-#pragma unroll
-      for (int j = 0; j < NB / 8; ++j)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = h ? row_hi : row_lo, col = 8 * j + 2 * q;
-          float value[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            value[e] = out[j][2 * h + e];
-            if (extra_row) value[e] += extra_a_s[row] * extra_state_s[col + e];  // the state entering the chunk
-            if (bias != nullptr && col + e < cols) value[e] += bias[col + e];
-            value[e] *= factor[h];
-          }
-          T::store_pair(a_s + row * S::kAB + col, value[0], value[1]);
-        }
-      __syncwarp();
-      write_rows<S>(a_s + 16 * warp * S::kAB, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l,
-                         n - 16 * warp, cols, p.rows_are_vectors);
+      write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n,
+                    [&](float value, int row, int col, int h) {
+                      if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
+                      if (bias != nullptr && col < cols) value += bias[col];
+                      return value * factor[h];
+                    });
+
+      if constexpr (kFused) {  // dv = mask(K q'^T) dO + K S^T on the same rows, no extra row, factor 1
+        float score_v[C / 8][4] = {};
+        accumulate_a_rows<T, DA, kUnrollK>(
+            score_v, buf.a2, 16 * warp, S::kAB, tf32,
+            [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, c_s, 16 * pair, k, S::kCS); },
+            [&](int pair) { return pair < warp; });
+        for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
+          if (col < row) score_v[j][e] = 0.f;
+        });
+        float out_v[NB / 8][4] = {};
+        accumulate_a_rows<T, DA, kUnrollK>(
+            out_v, buf.a2, 16 * warp, S::kAB, tf32,
+            [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, s_copy, 16 * pair, k, S::kSS); },
+            [](int) { return false; });
+        scale_back(out_v);
+        accumulate_scores_times(out_v, score_v, b_s, S::kAB);
+        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n,
+                      [](float value, int, int, int) { return value; });
+      }
     }
 
     // S += B^T Cc on this warp's rows of the state (float32 accumulators throughout).
@@ -740,7 +798,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   p.rows_are_vectors = rows_are_vectors(p, int64_t(sizeof(scalar_t)));
   const int64_t pairs = p.num_seqs * p.H;  // (sequence, head) pairs
   const int64_t col_tiles = (Dc + NB - 1) / NB;
-  using S = Layout<MmaTraits<scalar_t>, DA, NB>;
+  using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
   const size_t smem = S::bytes(p.rows_are_vectors ? S::kBuffers : 1);
   if (smem > 48 * 1024) {

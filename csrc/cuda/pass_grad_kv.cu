@@ -1,0 +1,15 @@
+// The fused grad k and grad v pass of the tensor-core family (see run_grad_kv in dispatch.cuh).
+#include "dispatch.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+
+bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream) {
+  bool ran = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn (CUDA)",
+                                  [&] { ran = run_grad_kv<scalar_t>(p, stream); });
+  return ran;
+}
+
+}  // namespace cuda
+}  // namespace fast_causal_attn
