@@ -120,14 +120,17 @@ def main():
         "fast_causal_attn": fast_causal_attn.causal_dot_product,
         "torch chunked (C=64)": baselines.torch_chunked,
     }
-    families = {}  # method name -> FAST_CAUSAL_ATTN_KERNEL while it is timed
+    families = {}  # method name -> the environment while it is timed (FAST_CAUSAL_ATTN_KERNEL, ...)
     if args.families and device == "cuda":
         for family in ("recurrent", "chunked", "tensorcore"):
             methods[f"fca {family}"] = fast_causal_attn.causal_dot_product
-            families[f"fca {family}"] = family
+            families[f"fca {family}"] = {"FAST_CAUSAL_ATTN_KERNEL": family}
+        # the gradients of k and v in one pass (opt-in until measured)
+        methods["fca tensorcore fused-kv"] = fast_causal_attn.causal_dot_product
+        families["fca tensorcore fused-kv"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore", "FAST_CAUSAL_ATTN_FUSED_GRAD_KV": "1"}
         # float32 with torch's TF32 switch on (one TF32 product a step), as fla's float32 runs
         methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
-        families["fca tensorcore tf32"] = "tensorcore"
+        families["fca tensorcore tf32"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore"}
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
@@ -147,6 +150,7 @@ def main():
             cases = dict(methods)
             if dtype == torch.float64:
                 cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
+                cases.pop("fca tensorcore fused-kv", None)
             if dtype != torch.float32:
                 cases.pop("fca tensorcore tf32", None)
             if ft is not None and dtype == torch.float32:
@@ -166,15 +170,15 @@ def main():
                         print(f"warmed {name} {dtype} {shape}", flush=True)
                 continue
             for name, fn in cases.items():
-                if name in families:
-                    os.environ["FAST_CAUSAL_ATTN_KERNEL"] = families[name]
+                os.environ.update(families.get(name, {}))
                 tf32 = torch.backends.cuda.matmul.allow_tf32
                 torch.backends.cuda.matmul.allow_tf32 = name.endswith("tf32")
                 try:
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
                 finally:
-                    os.environ.pop("FAST_CAUSAL_ATTN_KERNEL", None)
+                    for variable in families.get(name, {}):
+                        os.environ.pop(variable, None)
                     torch.backends.cuda.matmul.allow_tf32 = tf32
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
