@@ -501,7 +501,6 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     }
     if (!state_only && extra_row && tid < cols) extra_state = start.extra(m0 + tid);
   }
-  // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
   // float16 ends at 65504, and a state can pass that long before any output does (keys of a
   // positive feature map add up over thousands of steps). So the float16 copy holds S 2^-shift,
   // shift chosen each chunk from the block's largest |S| (none while that stays below 2^14: then
