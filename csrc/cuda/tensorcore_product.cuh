@@ -30,6 +30,7 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "chunked_product.cuh"
@@ -278,7 +279,8 @@ struct Layout {
   static constexpr size_t a2 = extra_b + C * 4;                     // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
-  // Two buffers where they fit the multiprocessor's 227 KB (all but float32 at DA = 256).
+  // At most two buffers: two where they fit the multiprocessor's 227 KB (all but float32 at
+  // DA = 256); the launcher uses two only where they cost no resident blocks.
   static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
   static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
   static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0 && a2 % 16 == 0, "rows stay 16-byte aligned");
@@ -596,9 +598,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
   };
 
   // Chunks staged 16 bytes at a time arrive asynchronously, each while the one before is worked
-  // on (two buffers); with room for one buffer they are copied 16 bytes at a time when their turn
-  // comes, and rows that are not whole vectors element by element (one buffer).
-  const bool vectors = p.rows_are_vectors, pipelined = vectors && S::kBuffers == 2;
+  // on (two buffers); with one buffer (see the launcher) they are copied 16 bytes at a time when
+  // their turn comes, and rows that are not whole vectors element by element.
+  const bool vectors = p.rows_are_vectors, pipelined = vectors && p.two_chunk_buffers;
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
@@ -799,12 +801,26 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
-  const size_t smem = S::bytes(p.rows_are_vectors ? S::kBuffers : 1);
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  if (S::bytes(S::kBuffers) > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes(S::kBuffers))));
   }
-  int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+  auto resident_with = [&](int buffers) {
+    int blocks = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, S::bytes(buffers)));
+    return blocks;
+  };
+  // Two chunk buffers (the next chunk arriving while this one is worked on) only where they cost
+  // no resident blocks: float32 at DA = 64 holds 3 blocks a multiprocessor with one buffer (72 KB)
+  // and 1 with two (126 KB); more warps should hide more latency than the overlap does (not yet
+  // measured: FAST_CAUSAL_ATTN_TC_BUFFERS=1 or 2 forces the count, for measuring).
+  int buffers = p.rows_are_vectors && S::kBuffers == 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
+  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
+    if (std::atoi(forced) == 2 && p.rows_are_vectors && S::kBuffers == 2) buffers = 2;
+    if (std::atoi(forced) == 1) buffers = 1;
+  }
+  p.two_chunk_buffers = buffers == 2;
+  const size_t smem = S::bytes(buffers);
+  const int resident = resident_with(buffers);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
   // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence. The
   // segments fill one wave and no more: a partial second wave measured slower than fewer segments
