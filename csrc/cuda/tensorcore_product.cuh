@@ -804,9 +804,17 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   if (S::bytes(S::kBuffers) > 48 * 1024) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(S::bytes(S::kBuffers))));
   }
+  // Blocks a multiprocessor holds with one or two buffers: the kernel's and the device's
+  // property, asked once per device (a call costs microseconds of host time, every launch).
+  static int asked[64][2] = {};  // 0: not asked yet
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
   auto resident_with = [&](int buffers) {
-    int blocks = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, S::bytes(buffers)));
+    int& blocks = asked[device % 64][buffers - 1];
+    if (blocks == 0) {
+      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, S::bytes(buffers)));
+      blocks = std::max(blocks, 1);
+    }
     return blocks;
   };
   // Two chunk buffers (the next chunk arriving while this one is worked on) only where they cost
@@ -825,7 +833,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence. The
   // segments fill one wave and no more: a partial second wave measured slower than fewer segments
   // (8,16,2048,64 bf16 forward, 396 slots: 4 segments 185 us, 2 segments 151 us).
-  const int64_t blocks = pairs * col_tiles;
+  const int64_t blocks = std::max<int64_t>(pairs * col_tiles, 1);
   const int64_t segments = p.cu_seqlens != nullptr
                                ? 1
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
