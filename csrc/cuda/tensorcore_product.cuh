@@ -268,7 +268,7 @@ struct Layout {
   static constexpr size_t s_copy = 0;                                   // [DA][kSS]: the state entering the chunk
   static constexpr size_t extra_state = size_t(DA) * kSS * kElem;      // [NB] float
   static constexpr size_t key_sum = extra_state + NB * 4;               // [DA]
-  static constexpr size_t warp_max = key_sum + DA * 4;                      // [kWarps] float
+  static constexpr size_t warp_max = key_sum + DA * 4;                       // [kWarps] float
   static constexpr size_t buffers = (warp_max + kWarps * 4 + 15) / 16 * 16;  // the chunk buffers
   // One chunk buffer, offsets from its start:
   static constexpr size_t a = 0;                                // [C][kAB]
@@ -276,7 +276,7 @@ struct Layout {
   static constexpr size_t c = b + size_t(C) * kAB * kElem;      // [C][kCS]
   static constexpr size_t extra_a = c + size_t(C) * kCS * kElem;  // [C] float
   static constexpr size_t extra_b = extra_a + C * 4;              // [C]
-  static constexpr size_t a2 = extra_b + C * 4;                     // [C][kAB], the fused pass's k
+  static constexpr size_t a2 = extra_b + C * 4;                   // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
   // At most two buffers: two where they fit the multiprocessor's 227 KB (all but float32 at
@@ -384,12 +384,12 @@ __device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer
   const int da = int(Da);
   if (with_a) {
     stage_vectors<C, S::kDA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
-                                 [&](int64_t t) { return ops.a_factor(t); });
+                                     [&](int64_t t) { return ops.a_factor(t); });
   }
   stage_vectors<C, S::kDA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
-                               [&](int64_t t) { return ops.b_factor(t); });
+                                   [&](int64_t t) { return ops.b_factor(t); });
   stage_vectors<C, S::kNB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
-                               [&](int64_t t) { return ops.c_factor(t); });
+                                   [&](int64_t t) { return ops.c_factor(t); });
   if (phase == 0 && extra_row) chunked::stage_extra_row<C>(buf.extra_a, buf.extra_b, ops, t0, n);
 }
 template <typename S, typename Smem, typename Ops>
