@@ -65,7 +65,7 @@ KernelParams with_state_io(const KernelParams& p) {
 //    (bf16 8,16,2048,64: 0.42 / 2.79; 2,4,8192,64: 0.39 / 0.57; 1,16,32768,128: 1.90 / 24.7).
 //  - float32 (3xTF32), Da <= 128: tensor cores (8,16,2048,64: 1.80 / 2.56; 4,16,8192,64: 4.24 /
 //    5.67; 1,16,32768,128: 13.99 / 21.94; 8,16,2048,64,128: 3.23 / 3.58), except where Da = 128
-//    (one block a multiprocessor: 243 registers, 209 KB of shared memory) needs more blocks than
+//    (one block a multiprocessor: about 250 registers, 209 KB of shared memory) needs more blocks than
 //    multiprocessors (8,16,2048,128: 5.94 / 4.44), and with fewer than 16 blocks (2,4,8192,64:
 //    0.75 / 0.59).
 //  - Da 129-256 on tensor cores (DA = 256, 32 columns a block) is not yet measured: forced only.
