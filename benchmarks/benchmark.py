@@ -99,6 +99,9 @@ def main():
                         help="on CUDA, also time each kernel family forced (FAST_CAUSAL_ATTN_KERNEL)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated substrings: time only the methods whose name holds one, e.g. 'tensorcore,fla'")
+    parser.add_argument("--sweep", action="append", default=[], metavar="VARIABLE=V1,V2,...",
+                        help="also time the default path with an environment variable at each value, e.g. "
+                             "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4' (repeatable)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -131,6 +134,14 @@ def main():
         # float32 with torch's TF32 switch on (one TF32 product a step), as fla's float32 runs
         methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
         families["fca tensorcore tf32"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore"}
+    for sweep in args.sweep:
+        variable, _, values = sweep.partition("=")
+        if not variable or not values:
+            parser.error(f"--sweep wants VARIABLE=V1,V2,..., got {sweep!r}")
+        for value in values.split(","):
+            short = variable.removeprefix("FAST_CAUSAL_ATTN_").lower()
+            methods[f"fca {short}={value}"] = fast_causal_attn.causal_dot_product
+            families[f"fca {short}={value}"] = {variable: value}
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 

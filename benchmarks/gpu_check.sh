@@ -8,6 +8,8 @@
 #   STAGES="build tests bench" TESTS="tensorcore" BENCH_ARGS="--no-peers --families" ...
 #                               # one kernel family's tests, then every family timed (no peers)
 #   STAGES="build profile" PROFILE="8 16 2048 64 64 fwd bfloat16" ...  # ncu of the tensor-core kernels
+#   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
+#                               # the default path at each value of a switch
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
