@@ -80,6 +80,15 @@ bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
   return blocks >= 16;
 }
 
+// Whether a pass with the state's Da rows and Dc columns runs on tensor cores: forced where the
+// family can run it, else where it is the default.
+template <typename scalar_t>
+bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
+  const Family family = forced_family();
+  return kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows &&
+         (family == Family::TensorCore || (family == Family::Default && tensorcore_by_default<scalar_t>(p, Da, Dc)));
+}
+
 template <Pass P, typename scalar_t>
 void run_pass(const KernelParams& params, cudaStream_t stream) {
   const KernelParams p = with_state_io<P>(params);
@@ -88,9 +97,7 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
   const Family family = forced_family();
-  const bool tensorcore = kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows &&
-                          (family == Family::TensorCore ||
-                           (family == Family::Default && tensorcore_by_default<scalar_t>(p, Da, Dc)));
+  const bool tensorcore = on_tensor_cores<scalar_t>(p, Da, Dc);
   if (p.has_state_io() || p.cu_seqlens != nullptr) {  // the chunked families take states and packed sequences
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",
@@ -123,11 +130,8 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
     if (fused == nullptr || std::strcmp(fused, "1") != 0) return false;
     if (p.E > 64 || p.M > 64 || p.cu_seqlens != nullptr) return false;
     if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
-    const Family family = forced_family();
-    const bool tensorcore = family == Family::TensorCore ||
-                            (family == Family::Default && tensorcore_by_default<scalar_t>(p, p.M, p.E) &&
-                             tensorcore_by_default<scalar_t>(p, p.E, p.M));
-    if (!tensorcore) return false;
+    // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
+    if (!on_tensor_cores<scalar_t>(p, p.M, p.E) || !on_tensor_cores<scalar_t>(p, p.E, p.M)) return false;
     launch_tensorcore<Pass::GradKV, scalar_t, 64, 64>(p, p.M, p.E, stream);  // the dk pass's Da, Dc
     return true;
   } else {
