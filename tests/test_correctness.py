@@ -166,8 +166,8 @@ def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, mo
 @pytest.mark.parametrize("shape", [(2, 3, 65, 16, 16), (1, 2, 1000, 64, 64), (2, 2, 130, 64, 24), (2, 2, 70, 3, 17)],
                          ids=shape_id)
 def test_fused_grad_kv_matches_two_passes(shape, normalize, dtype, device, use_kernel, monkeypatch):
-    """The tensor-core family's one pass for dk and dv (E, M <= 64, no states; opt-in through
-    FAST_CAUSAL_ATTN_FUSED_GRAD_KV=1 until measured) gives what its two separate passes give: the
+    """The tensor-core family's one pass for dk and dv (E, M <= 64, no states; the default there,
+    FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 runs two) gives what its two separate passes give: the
     same products of the same rounded operands, the state accumulated once instead of twice
     (float32 sums in another order, then rounded to 16 bits: a few 16-bit results one rounding
     apart), and both what the float64 reference gives."""
@@ -180,6 +180,7 @@ def test_fused_grad_kv_matches_two_passes(shape, normalize, dtype, device, use_k
         out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize)
         return torch.autograd.grad(out, leaves, grad_out)
 
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
     separate = gradients()
     monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "1")
     fused = gradients()

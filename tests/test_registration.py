@@ -24,13 +24,11 @@ op_cases = cases(
 
 def op_case(layout, normalize, with_state, device):
     """q, k, v and an initial state (or Nones) for one case."""
-    if with_state and device != "cpu":
-        pytest.skip("initial and final states run on the CPU only for now")
     q, k, v = op_inputs(device, layout, normalize)
     if not with_state:
         return q, k, v, None, None
     B, H = q.shape[0], (q.shape[2] if layout == "blhd" else q.shape[1])
-    return (q, k, v, *make_state(B, H, q.shape[-1], v.shape[-1], q.dtype, normalize))
+    return (q, k, v, *(x.to(device) for x in make_state(B, H, q.shape[-1], v.shape[-1], q.dtype, normalize)))
 
 
 # The ops carry no autograd kernel of their own: gradients come from the autograd.Function that

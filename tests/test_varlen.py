@@ -53,11 +53,12 @@ def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device, ker
         for j, (packed, single) in enumerate(pairs):
             # Packed, a sequence runs in one piece; alone, it may split into time segments. Kernels
             # that round products to 16 bits then meet the state at other points: 16-bit results
-            # agree to 16-bit rounding, and the float32 results made from them to 1e-3.
+            # agree to 16-bit rounding, and the float32 results made from them to one rounding of
+            # their 16-bit inputs (bfloat16 2^-8: 1.2e-3 seen on the H200; float16 2^-10).
             if packed.dtype in (torch.float16, torch.bfloat16):
                 tolerance = STATE_TOLERANCE[packed.dtype]
             elif dtype in (torch.float16, torch.bfloat16):
-                tolerance = 1e-3
+                tolerance = 4e-3 if dtype == torch.bfloat16 else 1e-3
             else:
                 tolerance = 1e-13 if dtype == torch.float64 else 1e-6
             assert relative_error(packed, single) <= tolerance, (i, j)

@@ -60,24 +60,25 @@ KernelParams with_state_io(const KernelParams& p) {
 }
 
 // The family a pass gets by default, from crossovers measured side by side (H200, forward +
-// backward ms, tensor-core / recurrent family; benchmarks/RESULTS.md, 2026-11-30):
-//  - float16 / bfloat16, Da <= 128: tensor cores, 1.4-13x faster at every benchmark shape
-//    (bf16 8,16,2048,64: 0.42 / 2.79; 2,4,8192,64: 0.39 / 0.57; 1,16,32768,128: 1.90 / 24.7).
-//  - float32 (3xTF32), Da <= 128: tensor cores (8,16,2048,64: 1.80 / 2.56; 4,16,8192,64: 4.24 /
-//    5.67; 1,16,32768,128: 13.99 / 21.94; 8,16,2048,64,128: 3.23 / 3.58), except where Da = 128
-//    (one block a multiprocessor: about 250 registers, 209 KB of shared memory) needs more blocks than
-//    multiprocessors (8,16,2048,128: 5.94 / 4.44), and with fewer than 16 blocks (2,4,8192,64:
-//    0.75 / 0.59).
-//  - Da 129-256 on tensor cores (DA = 256, 32 columns a block) is not yet measured: forced only.
-//  - Da > 128, and float64: the recurrent family (the chunked family was never faster than it:
-//    8,16,2048,64 fp32 3.35 / 2.82, 1,16,32768,128 23.9 / 23.7, bf16 the same order).
+// backward ms, tensor-core / recurrent family; benchmarks/RESULTS.md, 2026-11-30, fifth session):
+//  - float16 / bfloat16, every Da up to 256: tensor cores, 3-14x faster at every benchmark shape
+//    (bf16 8,16,2048,64: 0.44 / 2.84; 2,4,8192,64: 0.34 / 0.55; 1,16,32768,128: 1.72 / 24.3;
+//    4,16,2048,256 (DA = 256): 1.76 / 10.6).
+//  - float32 (3xTF32), Da <= 64: tensor cores (8,16,2048,64: 1.55 / 2.73; 4,16,8192,64: 2.89 /
+//    5.73; 2,4,8192,64 (8 blocks, segments scanned): 0.51 / 0.57; 8,16,2048,64,128: 2.64 / 3.81).
+//  - float32, Da = 128: tensor cores (one block a multiprocessor: about 250 registers, 209 KB of
+//    shared memory) while the blocks fit one wave (1,16,32768,128: 14.0 / 21.9), recurrent beyond
+//    (8,16,2048,128: 5.76 / 4.41).
+//  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
+//    products in one buffer); float64: recurrent (the chunked family was never faster than it:
+//    8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
 template <typename scalar_t>
 bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
-  if (!kTensorCoreInput<scalar_t> || Da > 128) return false;
+  if constexpr (!kTensorCoreInput<scalar_t>) return false;
   if constexpr (!std::is_same_v<scalar_t, float>) return true;
+  if (Da > 128) return false;
   const int64_t blocks = p.num_seqs * p.H * ((Dc + 63) / 64);  // 64 columns a block below DA = 256
-  if (Da > 64 && blocks > multiprocessor_count()) return false;
-  return blocks >= 16;
+  return Da <= 64 || blocks <= multiprocessor_count();
 }
 
 // Whether a pass with the state's Da rows and Dc columns runs on tensor cores: forced where the
@@ -120,14 +121,15 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
 
 // The gradients of k and v in one tensor-core pass (Pass::GradKV, see tensorcore_product.cuh)
 // where both would run on tensor cores and E, M <= 64, without states in or out or packed
-// sequences (those keep the two passes). Not yet measured against the two passes, so opt-in
-// until a side-by-side run says where it is faster: FAST_CAUSAL_ATTN_FUSED_GRAD_KV=1. Returns
-// whether it ran.
+// sequences (those keep the two passes). Faster than the two passes at every shape it takes
+// (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368 / 0.438, 4,16,8192,64 0.594 /
+// 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 / 0.511), so on by default;
+// FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 runs the two passes (tests compare them). Returns whether it ran.
 template <typename scalar_t>
 bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   if constexpr (kTensorCoreInput<scalar_t>) {
     const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
-    if (fused == nullptr || std::strcmp(fused, "1") != 0) return false;
+    if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
     if (p.E > 64 || p.M > 64 || p.cu_seqlens != nullptr) return false;
     if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
     // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
