@@ -161,6 +161,26 @@ def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, mo
 
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("shape", [(1, 2, 200, 128, 100), (2, 1, 150, 96, 128)], ids=shape_id)
+def test_tensor_core_float32_32_columns(shape, normalize, device, use_kernel, monkeypatch):
+    """float32 with a state of 65-128 rows on tensor cores in blocks of 32 columns instead of 64
+    (FAST_CAUSAL_ATTN_TC_COLUMNS=32): outputs, gradients and the final state as the reference."""
+    use_kernel("tensorcore")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_COLUMNS", "32")
+    B, H, L, E, M = shape
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device=device, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
+    state0 = [x.to(device) for x in make_state(B, H, E, M, torch.float32, normalize)]
+    out, state1 = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.8, normalize=normalize,
+                                                           initial_state=state0, return_final_state=True)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.8, normalize=normalize)
+    assert relative_error(out, ref_out) <= 1e-5
+    assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("shape", [(2, 3, 65, 16, 16), (1, 2, 1000, 64, 64), (2, 2, 130, 64, 24), (2, 2, 70, 3, 17)],

@@ -4,8 +4,9 @@
 //   P = mask(A B^T),  out = P Cc + A S,  S += B^T Cc,
 //
 // laid out as flash-attention 2 lays out its softmax(Q K^T) V. A block is 4 warps and owns one
-// (sequence, head), NB columns of c (64; 32 when the state has DA = 256 rows) and one time segment. Per chunk of C = 64 timesteps,
-// warp w owns the chunk's rows 16w .. 16w + 15: its scores (a 16 x 64 accumulator) are masked,
+// (sequence, head), NB columns of c (64; 32 when the state has DA = 256 rows, where 64 do not fit
+// the registers) and one time segment. Per chunk of C = 64 timesteps, warp w owns the chunk's
+// rows 16w .. 16w + 15: its scores (a 16 x 64 accumulator) are masked,
 // take the extra row and the normalizer's row sums in registers, and become the A operand of
 // P Cc without leaving registers. The state S (DA x NB, float32) is split by rows over the warps,
 // also in accumulators; a copy in shared memory serves the A S product of the next chunk.
@@ -31,6 +32,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "chunked_product.cuh"
@@ -185,9 +187,16 @@ struct MmaTraits<float> {
     uint32_t hi[2], lo[2];
   };
 
+  // The head: x rounded to TF32's 10 fraction bits (half an ulp added to the bits, then the 13 low
+  // bits cleared: CUTLASS's round_half_ulp_truncate); the tail: the exact remainder, rounded the
+  // same way but left unmasked (the tensor core ignores an operand's 13 low bits). Four integer
+  // and float instructions an element; cvt.rna.tf32.f32 is emulated on sm_90 with an infinity
+  // check and select per call (about eight). Same accuracy (head and tail within half a TF32 ulp);
+  // an infinite input gives NaN here (inf - inf in the tail), which an infinite input gives in
+  // the sums of the products anyway.
   __device__ static void split(float x, uint32_t& hi, uint32_t& lo) {
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-    asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(x - __uint_as_float(hi)));
+    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    lo = __float_as_uint(x - __uint_as_float(hi)) + 0x1000u;
   }
   // A fragment (m16n8k8, tf32): a0 (row g, k q), a1 (row g + 8, k q), a2 (row g, k q + 4),
   // a3 (row g + 8, k q + 4); B: b0 (k q, column g), b1 (k q + 4, column g).
@@ -854,6 +863,16 @@ void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t 
     if (Da <= 64) {
       launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
     } else if (Da <= 128) {
+      // float32 at DA = 128 holds one block of 64 columns a multiprocessor (124 KB of shared
+      // memory: 4 warps, one a scheduler); 32 columns hold two (97 KB) but compute the scores
+      // twice as often. FAST_CAUSAL_ATTN_TC_COLUMNS=32 picks them, for measuring (not yet run).
+      const char* columns = std::getenv("FAST_CAUSAL_ATTN_TC_COLUMNS");
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (columns != nullptr && std::strcmp(columns, "32") == 0) {
+          launch_tensorcore<P, scalar_t, 128, 32>(p, Da, Dc, stream);
+          return;
+        }
+      }
       launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
     } else {
       launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
