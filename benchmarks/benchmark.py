@@ -71,6 +71,11 @@ def make_case(B, H, L, E, M, dtype, device):
     return [x.to(device=device, dtype=dtype) for x in (q, k, v, dout)]
 
 
+def grad_call(fn, q, k, v, dout):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    return torch.autograd.grad(fn(*leaves), leaves, dout)
+
+
 def timings(fn, q, k, v, dout, device, reps):
     """(forward ms, forward+backward ms) of fn(q, k, v)."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -84,6 +89,24 @@ def timings(fn, q, k, v, dout, device, reps):
         return torch.autograd.grad(out, leaves, dout)
 
     return median_ms(forward, device, reps), median_ms(forward_backward, device, reps)
+
+
+def kernel_breakdown(fn, iters=20):
+    """The device time of one fn() call (ms, every kernel, copy and fill summed, from torch's
+    profiler) and its parts [(ms, launches, name)], largest first. Beside a do_bench median, it
+    tells how much of a call's time the GPU was busy: the rest is host work and launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    parts = [(e.self_device_time_total / iters / 1e3, e.count / iters, e.key) for e in prof.key_averages()
+             if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    parts.sort(reverse=True)
+    return sum(ms for ms, _, _ in parts), parts
 
 
 def main():
@@ -102,6 +125,9 @@ def main():
     parser.add_argument("--sweep", action="append", default=[], metavar="VARIABLE=V1,V2,...",
                         help="also time the default path with an environment variable at each value, e.g. "
                              "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4' (repeatable)")
+    parser.add_argument("--kernel-time", action="store_true",
+                        help="on CUDA, also profile each of this library's methods: the GPU's busy time per call "
+                             "and its kernels (host work and launch gaps are the rest of the median)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -195,6 +221,19 @@ def main():
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
                       f"{floor[0]:9.3f} / {floor[1]:.3f} {fwd / floor[0]:5.1f} / {fwd_bwd / floor[1]:4.1f}", flush=True)
+                if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
+                    os.environ.update(families.get(name, {}))
+                    try:
+                        busy = {}
+                        for what, call in (("fwd", lambda: fn(q, k, v)), ("fwd+bwd", lambda: grad_call(fn, q, k, v, dout))):
+                            busy[what], parts = kernel_breakdown(call)
+                            for ms, launches, kernel in parts[:6]:
+                                print(f"{'':34} {what:>7} {ms:8.4f} ms {launches:4.1f}x {kernel[:90]}")
+                    finally:
+                        for variable in families.get(name, {}):
+                            os.environ.pop(variable, None)
+                    rows[-1].update(busy_fwd_ms=busy["fwd"], busy_fwd_bwd_ms=busy["fwd+bwd"])
+                    print(f"{'':34} GPU busy per call: {busy['fwd']:.3f} / {busy['fwd+bwd']:.3f} ms", flush=True)
 
     if args.warm_peers:
         return

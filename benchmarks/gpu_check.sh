@@ -36,8 +36,19 @@ if has build; then
   grep -h -A2 "Compiling entry" build/*/*.log 2>/dev/null | grep -E "spill" | sort | uniq -c | head -5
 fi
 
-# fla's Triton kernels compile on first use, minutes for the whole list: compile them beside the
-# tests (same cases and methods as the bench stage), so that the bench stage finds them cached.
+# fla's Triton kernels compile on first use, minutes for the whole list (one call's limit, beside
+# the tests). The compiled kernels come back as $OUT/triton_cache.tar.gz; saved as
+# third_party/triton_cache.tar.gz (git-ignored, carried with third_party) they are unpacked here
+# and the next call finds them compiled.
+export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
+mkdir -p "$TRITON_CACHE_DIR"
+[[ -f third_party/triton_cache.tar.gz ]] && tar xzf third_party/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
+save_triton_cache() {
+  tar czf "$OUT/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . &&
+    echo "triton cache: $(du -sh "$OUT/triton_cache.tar.gz" | cut -f1) in \$OUT/triton_cache.tar.gz"
+}
+# Compile the peers' kernels beside the tests (same cases and methods as the bench stage), so that
+# the bench stage finds them cached.
 warm_pid=""
 if has bench && [[ " ${BENCH_ARGS:-} " != *" --no-peers "* ]]; then
   python benchmarks/benchmark.py --warm-peers ${BENCH_ARGS:-} >"$OUT/warm_peers.log" 2>&1 &
@@ -92,8 +103,9 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
 fi
 
 if has bench; then
-  [[ -n "$warm_pid" ]] && wait "$warm_pid"
+  [[ -n "$warm_pid" ]] && wait "$warm_pid" && save_triton_cache
   python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
+  save_triton_cache
 fi
 if has decode; then
   python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode.log" | tail -12
