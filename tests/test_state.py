@@ -30,7 +30,10 @@ state_cases = cases(
 @state_cases
 def test_state_matches_reference(layout, normalize, dtype, device, kernel, use_kernel):
     use_kernel(kernel)
-    B, H, L, E, M = 2, 3, 100, 17, 24
+    check_state_matches_reference(2, 3, 100, 17, 24, layout=layout, normalize=normalize, dtype=dtype, device=device)
+
+
+def check_state_matches_reference(B, H, L, E, M, *, layout, normalize, dtype, device):
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
     state0 = fast_causal_attn.State(*(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)))
     out, state1 = fast_causal_attn.causal_linear_attention(
@@ -47,7 +50,21 @@ def test_state_matches_reference(layout, normalize, dtype, device, kernel, use_k
 @state_cases
 def test_pieces_equal_whole(layout, normalize, dtype, device, kernel, use_kernel):
     use_kernel(kernel)
-    B, H, L, E, M = 2, 2, 150, 8, 12
+    check_pieces_equal_whole(2, 2, 150, 8, 12, layout=layout, normalize=normalize, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("device,kernel", STATE_KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("E,M", [(100, 70), (130, 64), (256, 200)], ids=lambda d: str(d))
+def test_pieces_equal_whole_wide_heads(E, M, dtype, device, kernel, use_kernel):
+    """Head dims in every bucket up to 256 (the kernels' state tiles: 128 and 256 rows, partial
+    column blocks), from a state and in pieces."""
+    use_kernel(kernel)
+    check_state_matches_reference(1, 2, 140, E, M, layout="bhld", normalize=True, dtype=dtype, device=device)
+    check_pieces_equal_whole(1, 2, 140, E, M, layout="bhld", normalize=True, dtype=dtype, device=device)
+
+
+def check_pieces_equal_whole(B, H, L, E, M, *, layout, normalize, dtype, device):
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
     state0 = [x.to(device) for x in make_state(B, H, E, M, dtype, normalize)]
     splits = sorted(torch.randperm(L - 1)[:3].add(1).tolist())
