@@ -97,7 +97,7 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
   for segments in 1 2; do  # the same launches unsegmented and in two segments, durations only
     echo "FAST_CAUSAL_ATTN_SEGMENTS=$segments:"
     FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none \
-      -k regex:tensorcore_product_kernel --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
+      -k regex:"tensorcore_product_kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
       grep -E "Duration|Grid Size"
   done
 fi
