@@ -94,11 +94,11 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
   ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/${name}_sass.csv" 2>&1
   grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
     "$OUT/$name.txt" | head -40
-  for segments in 1 2; do  # the same launches unsegmented and in two segments, durations only
-    echo "FAST_CAUSAL_ATTN_SEGMENTS=$segments:"
+  for segments in "" 1 2; do  # the same launches by segment count (default, 1, 2), durations only
+    echo "FAST_CAUSAL_ATTN_SEGMENTS=${segments:-default}:"
     FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none \
       -k regex:"tensorcore_product_kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
-      grep -E "Duration|Grid Size"
+      grep -E "Duration|Grid Size|tensorcore_product_kernel|scan_segments" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//'
   done
 fi
 
