@@ -288,9 +288,9 @@ struct Layout {
   static constexpr size_t a2 = extra_b + C * 4;                   // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
-  // At most two buffers: two where they fit the multiprocessor's 227 KB (all but float32 at
-  // DA = 256); the launcher uses two only where they cost no resident blocks.
-  static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
+  // As many buffers as fit the multiprocessor's 227 KB, up to three (float32 at DA = 256: one);
+  // the launcher picks how many a launch uses.
+  static constexpr int kBuffers = bytes(3) <= 227 * 1024 ? 3 : bytes(2) <= 227 * 1024 ? 2 : 1;
   static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
   static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0 && a2 % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
@@ -345,7 +345,16 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
                "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// The copies issued since the last commit become one group; wait_async_copies(newer) waits until
+// at most `newer` (0 or 1) of the latest groups are still on their way: every older one is done.
+__device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_async_copies(int newer) {
+  if (newer > 0) {
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+  } else {
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  }
+}
 
 // Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
 // column col0, `valid` columns (whole vectors), zeros elsewhere; with `scale`, each row then times
@@ -384,8 +393,9 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
 }
 
 // chunked::stage_chunk, 16 bytes at a time, in two steps: issue_chunk starts the chunk's copies
-// (and stores its extra row), finish_chunk waits for this thread's copies and rescales what it
-// copied where the operand has a factor. A barrier after finish_chunk makes the chunk visible.
+// (and stores its extra row) as one group, finish_chunk waits for this thread's copies (letting
+// the `newer` groups issued after them go on) and rescales what it copied where the operand has a
+// factor. A barrier after finish_chunk makes the chunk visible.
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer<Smem>& buf, const Ops& ops,
                                                     int64_t t0, int n, int64_t Da, int64_t m0, int cols, bool with_a,
@@ -408,8 +418,9 @@ __device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const 
 }
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
-                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
-  wait_async_copies();
+                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row,
+                                             int newer) {
+  wait_async_copies(newer);
   stage_chunk_vectors<S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 
@@ -438,10 +449,17 @@ __device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, i
   }
 }
 
+// Blocks a multiprocessor should hold, a bound for the register allocator: float32 at DA = 64
+// (outside the fused pass) fits three blocks' shared memory with one chunk buffer (72 KB each)
+// and its forward fits 168 registers without spilling (the gradient passes spill 4 bytes); left
+// alone, ptxas takes 240 and two blocks fit (not yet measured against that).
+template <Pass P, typename scalar_t, int DA>
+constexpr int kMinBlocksPerMultiprocessor = std::is_same_v<scalar_t, float> && DA == 64 && P != Pass::GradKV ? 3 : 1;
+
 }  // namespace tensorcore
 
 template <Pass P, typename scalar_t, int DA, int NB>
-__global__ void __launch_bounds__(tensorcore::kThreads)
+__global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocksPerMultiprocessor<P, scalar_t, DA>)
     tensorcore_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using namespace tensorcore;
   using acc_t = float;
@@ -606,52 +624,57 @@ __global__ void __launch_bounds__(tensorcore::kThreads)
     write_rows<S>(rows_s + 16 * warp * S::kAB, out_rows, out_l, n - 16 * warp, out_cols, p.rows_are_vectors);
   };
 
-  // Chunks staged 16 bytes at a time arrive asynchronously, each while the one before is worked
-  // on (two buffers); with one buffer (see the launcher) they are copied 16 bytes at a time when
-  // their turn comes, and rows that are not whole vectors element by element.
-  const bool vectors = p.rows_are_vectors, pipelined = vectors && p.two_chunk_buffers;
+  // Chunks staged 16 bytes at a time arrive asynchronously: with n buffers (see the launcher),
+  // the next n - 1 chunks are on their way while this one is worked on; with one buffer they are
+  // copied 16 bytes at a time when their turn comes, and rows that are not whole vectors element
+  // by element.
+  const bool vectors = p.rows_are_vectors;
+  const int buffers = vectors ? p.chunk_buffers : 1;
+  const bool pipelined = buffers > 1;
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
     n = work.chunk_len(t0, C);
   };
-  auto issue = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
-    issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
-    if (kFused && !state_only) {  // k, E = Dc columns, as it is
-      stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
+  // Chunk `it` into buffer `slot`, as one group of copies: an empty group past the last chunk, so
+  // that finish always lets exactly the buffers - 2 groups issued after its own go on.
+  auto issue = [&](int slot, int64_t it) {
+    if (it < chunks) {
+      int64_t t0;
+      int n;
+      chunk_at(it, t0, n);
+      const ChunkBuffer<Smem> buf = chunk_buffer(slot);
+      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      if (kFused && !state_only) {  // k, E = Dc columns, as it is
+        stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
+      }
     }
+    commit_async_copies();
   };
-  auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
-    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);  // waits for a2's copies too
+  auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n, int newer) {
+    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, newer);  // a2's copies too
   };
-  if (pipelined && chunks > 0) {
-    int64_t t0;
-    int n;
-    chunk_at(0, t0, n);
-    issue(chunk_buffer(0), t0, n);
+  if (pipelined) {
+    for (int slot = 0; slot < buffers - 1; ++slot) issue(slot, slot);
   }
-  for (int64_t it = 0; it < chunks; ++it) {
+  int slot = 0;  // this chunk's buffer
+  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == buffers ? 0 : slot + 1) {
     int64_t t0;
     int n;
     chunk_at(it, t0, n);
-    const ChunkBuffer<Smem> buf = chunk_buffer(pipelined ? int(it & 1) : 0);
+    const ChunkBuffer<Smem> buf = chunk_buffer(slot);
     Smem *a_s = buf.a, *b_s = buf.b, *c_s = buf.c;
     float *extra_a_s = buf.extra_a, *extra_b_s = buf.extra_b;
     if (pipelined) {
-      finish(buf, t0, n);
+      finish(buf, t0, n, buffers - 2);
       __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
-                        // buffer the next chunk now fills; the state copy is published
-      if (it + 1 < chunks) {
-        int64_t t1;
-        int n1;
-        chunk_at(it + 1, t1, n1);
-        issue(chunk_buffer(int((it + 1) & 1)), t1, n1);
-      }
+                        // buffer the chunk buffers - 1 ahead now fills; the state copy is published
+      issue(slot == 0 ? buffers - 1 : slot - 1, it + buffers - 1);
     } else {
       __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
       if (vectors) {
-        issue(buf, t0, n);
-        finish(buf, t0, n);
+        issue(0, it);
+        finish(buf, t0, n, 0);
       } else {
         chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
                                                                   m0, cols, !state_only, extra_row);
@@ -815,7 +838,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   }
   // Blocks a multiprocessor holds with one or two buffers: the kernel's and the device's
   // property, asked once per device (a call costs microseconds of host time, every launch).
-  static int asked[64][2] = {};  // 0: not asked yet
+  static int asked[64][3] = {};  // 0: not asked yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   auto resident_with = [&](int buffers) {
@@ -827,15 +850,17 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
     return blocks;
   };
   // Two chunk buffers (the next chunk arriving while this one is worked on) only where they cost
-  // no resident blocks: float32 at DA = 64 holds 3 blocks a multiprocessor with one buffer (72 KB)
-  // and 1 with two (126 KB); more warps should hide more latency than the overlap does (not yet
-  // measured: FAST_CAUSAL_ATTN_TC_BUFFERS=1 or 2 forces the count, for measuring).
-  int buffers = p.rows_are_vectors && S::kBuffers == 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
+  // no resident blocks: float32 at DA = 64 holds 1 block a multiprocessor with two (126 KB) and
+  // more with one (72 KB): one measured faster (H200 fwd+bwd 8,16,2048,64: 1.55 ms with 2 blocks
+  // a multiprocessor, two buffers 1.67; now 3, see kMinBlocksPerMultiprocessor), while bf16 keeps
+  // two (0.44 ms, one 0.49). FAST_CAUSAL_ATTN_TC_BUFFERS=1, 2 or 3 forces the count where it fits,
+  // for measuring (three: two chunks on their way; not yet run).
+  int buffers = p.rows_are_vectors && S::kBuffers >= 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
   if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
-    if (std::atoi(forced) == 2 && p.rows_are_vectors && S::kBuffers == 2) buffers = 2;
-    if (std::atoi(forced) == 1) buffers = 1;
+    const int count = std::atoi(forced);
+    if (count >= 1 && count <= S::kBuffers && (count == 1 || p.rows_are_vectors)) buffers = count;
   }
-  p.two_chunk_buffers = buffers == 2;
+  p.chunk_buffers = buffers;
   const size_t smem = S::bytes(buffers);
   const int resident = resident_with(buffers);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
