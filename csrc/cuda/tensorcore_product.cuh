@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstdlib>
@@ -449,17 +450,23 @@ __device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, i
   }
 }
 
-// Blocks a multiprocessor should hold, a bound for the register allocator: float32 at DA = 64
-// (outside the fused pass) fits three blocks' shared memory with one chunk buffer (72 KB each)
-// and its forward fits 168 registers without spilling (the gradient passes spill 4 bytes); left
-// alone, ptxas takes 240 and two blocks fit (not yet measured against that).
-template <Pass P, typename scalar_t, int DA>
-constexpr int kMinBlocksPerMultiprocessor = std::is_same_v<scalar_t, float> && DA == 64 && P != Pass::GradKV ? 3 : 1;
+// Blocks a multiprocessor holds by shared memory at the launcher's usual buffer count (two for
+// 16-bit inputs, one for float32; 1 KB a block reserved), at most three: the bound the register
+// allocator works to. Left without one, ptxas picked 160-250 registers as the code around
+// changed (bf16 DA = 64: forward 160 or 247, dq 234), two blocks where shared memory held three;
+// bound, float32 DA = 64 fits 168 registers with no spills (three blocks instead of two), the
+// 16-bit passes at DA = 64 168 with 0-24 bytes spilled, the others (one or two blocks) up to 255.
+template <Pass P, typename scalar_t, int DA, int NB>
+constexpr int min_blocks_per_multiprocessor() {
+  using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
+  const size_t block = S::bytes(sizeof(typename S::Smem) == 4 ? 1 : 2) + 1024;
+  return int(std::min<size_t>(3, 228 * 1024 / block));
+}
 
 }  // namespace tensorcore
 
 template <Pass P, typename scalar_t, int DA, int NB>
-__global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::kMinBlocksPerMultiprocessor<P, scalar_t, DA>)
+__global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_per_multiprocessor<P, scalar_t, DA, NB>())
     tensorcore_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
   using namespace tensorcore;
   using acc_t = float;
@@ -852,7 +859,7 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   // Two chunk buffers (the next chunk arriving while this one is worked on) only where they cost
   // no resident blocks: float32 at DA = 64 holds 1 block a multiprocessor with two (126 KB) and
   // more with one (72 KB): one measured faster (H200 fwd+bwd 8,16,2048,64: 1.55 ms with 2 blocks
-  // a multiprocessor, two buffers 1.67; now 3, see kMinBlocksPerMultiprocessor), while bf16 keeps
+  // a multiprocessor, two buffers 1.67; now 3, see min_blocks_per_multiprocessor), while bf16 keeps
   // two (0.44 ms, one 0.49). FAST_CAUSAL_ATTN_TC_BUFFERS=1, 2 or 3 forces the count where it fits,
   // for measuring (three: two chunks on their way; not yet run).
   int buffers = p.rows_are_vectors && S::kBuffers >= 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
