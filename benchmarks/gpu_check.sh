@@ -83,12 +83,14 @@ if has sanitize; then
     echo "compute-sanitizer $tool: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$tool.log") reports; $(tail -1 "$OUT/sanitize_$tool.log")"
     status=$(( status | rc ))
   done
-  # the chunk pipelines the default does not take (one buffer in 16 bits, three), racecheck only
-  compute-sanitizer --tool racecheck --error-exitcode 9 python -m pytest tests/test_correctness.py -q \
-    -k "test_tensor_core_chunk_buffers and B2H3L300E64M64" -p no:cacheprovider >"$OUT/sanitize_buffers.log" 2>&1
-  rc=$?
-  echo "compute-sanitizer racecheck, chunk buffers 1-3: rc=$rc; $(tail -1 "$OUT/sanitize_buffers.log")"
-  status=$(( status | rc ))
+  # the chunk pipelines the default does not take (one buffer in 16 bits, three; L2 prefetches)
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q \
+      -k "test_tensor_core_chunk_buffers and B2H3L300E64M64" -p no:cacheprovider >"$OUT/sanitize_buffers_$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool, chunk buffers 1-3, prefetch: rc=$rc; $(tail -1 "$OUT/sanitize_buffers_$tool.log")"
+    status=$(( status | rc ))
+  done
 fi
 
 if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L E M fwd|bwd dtype"

@@ -147,14 +147,17 @@ def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, m
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefetch", [0, 2], ids=["no_prefetch", "prefetch2"])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 200, 128, 40), (1, 1, 150, 256, 48)], ids=shape_id)
-def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, monkeypatch):
+def test_tensor_core_chunk_buffers(shape, buffers, prefetch, dtype, device, use_kernel, monkeypatch):
     """The tensor-core kernels stage chunks into one buffer, two or three (the next one or two
-    chunks arriving during this one); the launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS
-    forces a count where it fits: each gives the reference result."""
+    chunks arriving during this one), each chunk staged perhaps asking L2 for a later one; the
+    launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS forces a count where it fits and
+    FAST_CAUSAL_ATTN_TC_PREFETCH a prefetch distance: each gives the reference result."""
     use_kernel("tensorcore")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_BUFFERS", str(buffers))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_PREFETCH", str(prefetch))
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=True)
     check_against_reference(q, k, v, scale=0.9, normalize=True, layout="bhld")
 

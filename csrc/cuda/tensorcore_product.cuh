@@ -357,6 +357,12 @@ __device__ __forceinline__ void wait_async_copies(int newer) {
   }
 }
 
+// Rows [t0, t0 + n) of a later chunk, asked of L2 while a chunk is staged (n = 0: none).
+struct LaterChunk {
+  int64_t t0 = 0;
+  int n = 0;
+};
+
 // Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
 // column col0, `valid` columns (whole vectors), zeros elsewhere; with `scale`, each row then times
 // factor(t). The same values as chunked::stage of ops.a_at etc. Phase 0 issues this thread's
@@ -364,10 +370,12 @@ __device__ __forceinline__ void wait_async_copies(int newer) {
 // wait_async_copies, scales the vectors this thread copied (its own copies are complete and
 // visible to it, so no barrier is needed between). A thread keeps one column and steps down the
 // rows, so that the 64-bit address arithmetic happens once a chunk (per copy it was most of the
-// staging's instructions). Needs KernelParams::rows_are_vectors.
+// staging's instructions). Phase 0 also asks L2 for the same columns of `later`'s rows, one
+// prefetch a 128-byte line (the thread whose vector starts a line, or a row), so that its copies
+// come from L2. Needs KernelParams::rows_are_vectors.
 template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
 __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0,
-                                              int valid, bool scale, Factor factor) {
+                                              int valid, bool scale, Factor factor, LaterChunk later = {}) {
   constexpr int kVec = 16 / int(sizeof(scalar_t));
   constexpr int kGroups = kWidth / kVec;      // vectors a row
   constexpr int kStep = kThreads / kGroups;  // rows between a thread's vectors
@@ -378,11 +386,14 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
   const int64_t src_step = int64_t(kStep) * x.stride;
   scalar_t* to = dst + row0 * kStride + col;
+  const scalar_t* ahead = x.ptr + (later.t0 + row0) * x.stride + col0 + col;
+  const bool asks = column_inside && (col == 0 || reinterpret_cast<uintptr_t>(ahead) % 128 == 0);
 #pragma unroll
-  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride) {
+  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride, ahead += src_step) {
     const bool inside = column_inside && row < n;
     if (phase == 0) {
       copy_async_16(to, inside ? src : x.ptr, inside);
+      if (asks && row < later.n) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ahead));
     } else if (inside) {
       using T = MmaTraits<scalar_t>;
       const float f = factor(t0 + row);
@@ -400,22 +411,23 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer<Smem>& buf, const Ops& ops,
                                                     int64_t t0, int n, int64_t Da, int64_t m0, int cols, bool with_a,
-                                                    bool extra_row) {
+                                                    bool extra_row, LaterChunk later = {}) {
   const int da = int(Da);
   if (with_a) {
     stage_vectors<C, S::kDA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
-                                     [&](int64_t t) { return ops.a_factor(t); });
+                                     [&](int64_t t) { return ops.a_factor(t); }, later);
   }
   stage_vectors<C, S::kDA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
-                                   [&](int64_t t) { return ops.b_factor(t); });
+                                   [&](int64_t t) { return ops.b_factor(t); }, later);
   stage_vectors<C, S::kNB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
-                                   [&](int64_t t) { return ops.c_factor(t); });
+                                   [&](int64_t t) { return ops.c_factor(t); }, later);
   if (phase == 0 && extra_row) chunked::stage_extra_row<C>(buf.extra_a, buf.extra_b, ops, t0, n);
 }
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
-                                            int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
-  stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
+                                            int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row,
+                                            LaterChunk later) {
+  stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row, later);
 }
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
@@ -645,15 +657,20 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   };
   // Chunk `it` into buffer `slot`, as one group of copies: an empty group past the last chunk, so
   // that finish always lets exactly the buffers - 2 groups issued after its own go on.
+  // Each chunk staged asks L2 for the one p.l2_prefetch_chunks later (see the launcher).
+  const int prefetch_distance = p.l2_prefetch_chunks;
   auto issue = [&](int slot, int64_t it) {
     if (it < chunks) {
       int64_t t0;
       int n;
       chunk_at(it, t0, n);
+      LaterChunk later;
+      if (prefetch_distance > 0 && it + prefetch_distance < chunks) chunk_at(it + prefetch_distance, later.t0, later.n);
       const ChunkBuffer<Smem> buf = chunk_buffer(slot);
-      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, later);
       if (kFused && !state_only) {  // k, E = Dc columns, as it is
-        stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
+        stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; },
+                                     later);
       }
     }
     commit_async_copies();
@@ -868,6 +885,11 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
     if (count >= 1 && count <= S::kBuffers && (count == 1 || p.rows_are_vectors)) buffers = count;
   }
   p.chunk_buffers = buffers;
+  // Each staged chunk asking L2 for the one this many later (FAST_CAUSAL_ATTN_TC_PREFETCH=1-4, for
+  // measuring; default none: not yet run).
+  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_PREFETCH")) {
+    p.l2_prefetch_chunks = p.rows_are_vectors ? std::min(std::max(std::atoi(forced), 0), 4) : 0;
+  }
   const size_t smem = S::bytes(buffers);
   const int resident = resident_with(buffers);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
