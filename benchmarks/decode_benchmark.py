@@ -11,9 +11,7 @@ new state (the API returns a new state each step).
 """
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 

@@ -1,9 +1,7 @@
 """The drop-in layer: causal linear attention with its projections."""
-import torch
 from torch import nn
 
 from . import feature_maps
-from ._ops import State
 
 __all__ = ["CausalLinearAttention"]
 

@@ -102,3 +102,19 @@ def make_state(B, H, E, M, dtype, normalize):
     kv = torch.randn(B, H, E, M, dtype=acc)
     k_sum = torch.rand(B, H, E, dtype=acc) * 3  # a sum of non-negative keys, as normalize expects
     return fast_causal_attn.State(kv, k_sum if normalize else k_sum - 1.5)
+
+
+def check_state_matches_reference(B, H, L, E, M, *, layout, normalize, dtype, device, scale):
+    """Fresh inputs and initial state through causal_linear_attention: the output and the final
+    state (its dtype and shape too) as the float64 reference gives them."""
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    state0 = fast_causal_attn.State(*(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)))
+    out, state1 = fast_causal_attn.causal_linear_attention(
+        q, k, v, scale=scale, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
+    assert state1.kv.dtype == state0.kv.dtype and state1.kv.shape == (B, H, E, M) and state1.k_sum.shape == (B, H, E)
+    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=scale, normalize=normalize, layout=layout)
+    assert relative_error(out, ref_out) <= STATE_TOLERANCE[dtype]
+    # The state accumulates in float32 from 16-bit inputs read exactly: float32-level error.
+    state_tolerance = 1e-12 if dtype == torch.float64 else 1e-5
+    assert relative_error(state1.kv, ref_kv) <= state_tolerance
+    assert relative_error(state1.k_sum, ref_k_sum) <= state_tolerance

@@ -7,8 +7,8 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICE_KERNELS, DEVICES
-from reference import (STATE_TOLERANCE, gradient_magnitudes, make_inputs, make_state, reference, reference_with_grads,
-                       reference_with_state, relative_error, time_dim)
+from reference import (check_state_matches_reference, gradient_magnitudes, make_inputs, reference, reference_with_grads,
+                       relative_error, time_dim)
 
 # (B, H, L, E, M)
 SHAPES = [
@@ -135,13 +135,8 @@ def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, m
     B, H, L, E, M = 1, 2, 1100, 32, 48
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, normalize=normalize)
     check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
-
-    state0 = [x.to(device) for x in make_state(B, H, E, M, dtype, normalize)]
-    out, state1 = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.8, normalize=normalize,
-                                                           initial_state=state0, return_final_state=True)
-    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.8, normalize=normalize)
-    assert relative_error(out, ref_out) <= STATE_TOLERANCE[dtype]
-    assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
+    check_state_matches_reference(B, H, L, E, M, layout="bhld", normalize=normalize, dtype=dtype, device=device,
+                                  scale=0.8)
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")
@@ -171,15 +166,10 @@ def test_tensor_core_float32_32_columns(shape, normalize, device, use_kernel, mo
     (FAST_CAUSAL_ATTN_TC_COLUMNS=32): outputs, gradients and the final state as the reference."""
     use_kernel("tensorcore")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_COLUMNS", "32")
-    B, H, L, E, M = shape
     q, k, v = make_inputs(*shape, dtype=torch.float32, device=device, normalize=normalize)
     check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
-    state0 = [x.to(device) for x in make_state(B, H, E, M, torch.float32, normalize)]
-    out, state1 = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.8, normalize=normalize,
-                                                           initial_state=state0, return_final_state=True)
-    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.8, normalize=normalize)
-    assert relative_error(out, ref_out) <= 1e-5
-    assert relative_error(state1.kv, ref_kv) <= 1e-5 and relative_error(state1.k_sum, ref_k_sum) <= 1e-5
+    check_state_matches_reference(*shape, layout="bhld", normalize=normalize, dtype=torch.float32, device=device,
+                                  scale=0.8)
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")

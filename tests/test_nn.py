@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fast_causal_attn
 from fast_causal_attn import feature_maps
 from fast_causal_attn.nn import CausalLinearAttention
 from conftest import DEVICES

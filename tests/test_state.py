@@ -6,7 +6,8 @@ import torch
 
 import fast_causal_attn
 from conftest import CUDA, DEVICES, STATE_KERNELS, cases
-from reference import STATE_TOLERANCE, make_inputs, make_state, reference_with_state, relative_error, time_dim
+from reference import (STATE_TOLERANCE, check_state_matches_reference, make_inputs, make_state, reference_with_state,
+                       relative_error, time_dim)
 
 # Outputs and states start as NaN: anything the kernels leave unwritten fails.
 pytestmark = pytest.mark.usefixtures("nan_filled_outputs")
@@ -30,21 +31,8 @@ state_cases = cases(
 @state_cases
 def test_state_matches_reference(layout, normalize, dtype, device, kernel, use_kernel):
     use_kernel(kernel)
-    check_state_matches_reference(2, 3, 100, 17, 24, layout=layout, normalize=normalize, dtype=dtype, device=device)
-
-
-def check_state_matches_reference(B, H, L, E, M, *, layout, normalize, dtype, device):
-    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, layout=layout, normalize=normalize)
-    state0 = fast_causal_attn.State(*(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)))
-    out, state1 = fast_causal_attn.causal_linear_attention(
-        q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=state0, return_final_state=True)
-    assert state1.kv.dtype == state0.kv.dtype and state1.kv.shape == (B, H, E, M) and state1.k_sum.shape == (B, H, E)
-    ref_out, ref_kv, ref_k_sum = reference_with_state(q, k, v, state0, scale=0.7, normalize=normalize, layout=layout)
-    assert relative_error(out, ref_out) <= STATE_TOLERANCE[dtype]
-    # The state accumulates in float32 from 16-bit inputs read exactly: float32-level error.
-    state_tolerance = 1e-12 if dtype == torch.float64 else 1e-5
-    assert relative_error(state1.kv, ref_kv) <= state_tolerance
-    assert relative_error(state1.k_sum, ref_k_sum) <= state_tolerance
+    check_state_matches_reference(2, 3, 100, 17, 24, layout=layout, normalize=normalize, dtype=dtype, device=device,
+                                  scale=0.7)
 
 
 @state_cases
@@ -60,7 +48,7 @@ def test_pieces_equal_whole_wide_heads(E, M, dtype, device, kernel, use_kernel):
     """Head dims in every bucket up to 256 (the kernels' state tiles: 128 and 256 rows, partial
     column blocks), from a state and in pieces."""
     use_kernel(kernel)
-    check_state_matches_reference(1, 2, 140, E, M, layout="bhld", normalize=True, dtype=dtype, device=device)
+    check_state_matches_reference(1, 2, 140, E, M, layout="bhld", normalize=True, dtype=dtype, device=device, scale=0.7)
     check_pieces_equal_whole(1, 2, 140, E, M, layout="bhld", normalize=True, dtype=dtype, device=device)
 
 
