@@ -122,9 +122,10 @@ def main():
                         help="on CUDA, also time each kernel family forced (FAST_CAUSAL_ATTN_KERNEL)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated substrings: time only the methods whose name holds one, e.g. 'tensorcore,fla'")
-    parser.add_argument("--sweep", action="append", default=[], metavar="VARIABLE=V1,V2,...",
+    parser.add_argument("--sweep", action="append", default=[], metavar="VARIABLE=V1,V2,...[;OTHER=VALUE...]",
                         help="also time the default path with an environment variable at each value, e.g. "
-                             "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4' (repeatable)")
+                             "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4', optionally with others set throughout, e.g. "
+                             "'FAST_CAUSAL_ATTN_TC_COLUMNS=32,64;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
     parser.add_argument("--kernel-time", action="store_true",
                         help="on CUDA, also profile each of this library's methods: the GPU's busy time per call "
                              "and its kernels (host work and launch gaps are the rest of the median)")
@@ -160,14 +161,20 @@ def main():
         # float32 with torch's TF32 switch on (one TF32 product a step), as fla's float32 runs
         methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
         families["fca tensorcore tf32"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore"}
+    def short(variable):
+        return variable.removeprefix("FAST_CAUSAL_ATTN_").lower()
+
     for sweep in args.sweep:
-        variable, _, values = sweep.partition("=")
-        if not variable or not values:
-            parser.error(f"--sweep wants VARIABLE=V1,V2,..., got {sweep!r}")
+        swept, *fixed = sweep.split(";")  # VARIABLE=V1,V2[;OTHER=VALUE...]: each value with the others set
+        variable, _, values = swept.partition("=")
+        fixed = dict(item.partition("=")[::2] for item in fixed)
+        if not variable or not values or not all(fixed) or not all(fixed.values()):
+            parser.error(f"--sweep wants VARIABLE=V1,V2,...[;OTHER=VALUE...], got {sweep!r}")
+        suffix = "".join(f" {short(k)}={v}" for k, v in fixed.items())
         for value in values.split(","):
-            short = variable.removeprefix("FAST_CAUSAL_ATTN_").lower()
-            methods[f"fca {short}={value}"] = fast_causal_attn.causal_dot_product
-            families[f"fca {short}={value}"] = {variable: value}
+            name = f"fca {short(variable)}={value}{suffix}"
+            methods[name] = fast_causal_attn.causal_dot_product
+            families[name] = {variable: value, **fixed}
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
