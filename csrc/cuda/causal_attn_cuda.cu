@@ -2,7 +2,8 @@
 #include <algorithm>
 #include <cstdlib>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Context.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>

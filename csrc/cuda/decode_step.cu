@@ -5,7 +5,7 @@
 //
 // A block owns one (batch, head) and kCols columns of v: lane m of every warp owns column m, the
 // warps share the E rows, and their partial sums of o meet in shared memory.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
