@@ -71,13 +71,8 @@ def make_case(B, H, L, E, M, dtype, device):
     return [x.to(device=device, dtype=dtype) for x in (q, k, v, dout)]
 
 
-def grad_call(fn, q, k, v, dout):
-    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    return torch.autograd.grad(fn(*leaves), leaves, dout)
-
-
-def timings(fn, q, k, v, dout, device, reps):
-    """(forward ms, forward+backward ms) of fn(q, k, v)."""
+def calls(fn, q, k, v, dout):
+    """The forward (no autograd) and forward+backward calls of fn(q, k, v) that are timed."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
     def forward():
@@ -88,6 +83,12 @@ def timings(fn, q, k, v, dout, device, reps):
         out = fn(*leaves)
         return torch.autograd.grad(out, leaves, dout)
 
+    return forward, forward_backward
+
+
+def timings(fn, q, k, v, dout, device, reps):
+    """(forward ms, forward+backward ms) of fn(q, k, v)."""
+    forward, forward_backward = calls(fn, q, k, v, dout)
     return median_ms(forward, device, reps), median_ms(forward_backward, device, reps)
 
 
@@ -232,7 +233,7 @@ def main():
                     os.environ.update(families.get(name, {}))
                     try:
                         busy = {}
-                        for what, call in (("fwd", lambda: fn(q, k, v)), ("fwd+bwd", lambda: grad_call(fn, q, k, v, dout))):
+                        for what, call in zip(("fwd", "fwd+bwd"), calls(fn, q, k, v, dout)):
                             busy[what], parts = kernel_breakdown(call)
                             for ms, launches, kernel in parts[:6]:
                                 print(f"{'':34} {what:>7} {ms:8.4f} ms {launches:4.1f}x {kernel[:90]}")

@@ -75,22 +75,19 @@ if has tests; then
 fi
 
 if has sanitize; then
-  subset="test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$subset" \
-      -p no:cacheprovider >"$OUT/sanitize_$tool.log" 2>&1
-    rc=$?
-    echo "compute-sanitizer $tool: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$tool.log") reports; $(tail -1 "$OUT/sanitize_$tool.log")"
-    status=$(( status | rc ))
-  done
+  # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
+  sanitize() {
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$2" \
+        -p no:cacheprovider >"$OUT/sanitize_$1_$tool.log" 2>&1
+      rc=$?
+      echo "compute-sanitizer $tool, $1: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$1_$tool.log") reports; $(tail -1 "$OUT/sanitize_$1_$tool.log")"
+      status=$(( status | rc ))
+    done
+  }
+  sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, three; L2 prefetches)
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q \
-      -k "test_tensor_core_chunk_buffers and B2H3L300E64M64" -p no:cacheprovider >"$OUT/sanitize_buffers_$tool.log" 2>&1
-    rc=$?
-    echo "compute-sanitizer $tool, chunk buffers 1-3, prefetch: rc=$rc; $(tail -1 "$OUT/sanitize_buffers_$tool.log")"
-    status=$(( status | rc ))
-  done
+  sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"
 fi
 
 if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L E M fwd|bwd dtype"
