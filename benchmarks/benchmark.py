@@ -126,7 +126,7 @@ def main():
     parser.add_argument("--sweep", action="append", default=[], metavar="VARIABLE=V1,V2,...[;OTHER=VALUE...]",
                         help="also time the default path with an environment variable at each value, e.g. "
                              "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4', optionally with others set throughout, e.g. "
-                             "'FAST_CAUSAL_ATTN_TC_COLUMNS=32,64;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
+                             "'FAST_CAUSAL_ATTN_TC_BUFFERS=1,2;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
     parser.add_argument("--kernel-time", action="store_true",
                         help="on CUDA, also profile each of this library's methods: the GPU's busy time per call "
                              "and its kernels (host work and launch gaps are the rest of the median)")

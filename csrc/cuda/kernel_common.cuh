@@ -31,12 +31,9 @@ struct KernelParams : BackwardParams {
   // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).
   bool rows_are_vectors = false;
-  // The tensor-core kernels' chunk buffers: with n > 1, the next n - 1 chunks are on their way
-  // while this one is worked on; with 1, each chunk is staged when its turn comes.
+  // The tensor-core kernels' chunk buffers: with 2, the next chunk is on its way while this one is
+  // worked on; with 1, each chunk is staged when its turn comes.
   int chunk_buffers = 1;
-  // ... and ask L2 for the chunk this many beyond each chunk they stage (prefetch.global.L2; rows
-  // staged 16 bytes at a time only; 0: none).
-  int l2_prefetch_chunks = 0;
   // float32 products may round their operands to TF32 once (instead of 3xTF32): only when the user
   // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
   bool tf32 = false;

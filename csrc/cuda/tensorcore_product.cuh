@@ -289,9 +289,11 @@ struct Layout {
   static constexpr size_t a2 = extra_b + C * 4;                   // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
-  // As many buffers as fit the multiprocessor's 227 KB, up to three (float32 at DA = 256: one);
-  // the launcher picks how many a launch uses.
-  static constexpr int kBuffers = bytes(3) <= 227 * 1024 ? 3 : bytes(2) <= 227 * 1024 ? 2 : 1;
+  // Two buffers where they fit the multiprocessor's 227 KB (float32 at DA = 256: one); the
+  // launcher picks how many a launch uses. A third (two chunks on their way) measured slower
+  // wherever it fit (H200 fwd+bwd ms, three / two buffers: bf16 4,16,8192,64 0.772 / 0.600,
+  // 8,16,2048,128 1.140 / 0.704; float32 8,16,2048,64 1.402 / 1.551, one buffer 1.162).
+  static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
   static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
   static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0 && a2 % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
@@ -346,22 +348,10 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
                "r"(valid ? 16 : 0)
                : "memory");
 }
-// The copies issued since the last commit become one group; wait_async_copies(newer) waits until
-// at most `newer` (0 or 1) of the latest groups are still on their way: every older one is done.
+// The copies issued since the last commit become one group; wait_async_copies waits until every
+// group this thread issued is done.
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_async_copies(int newer) {
-  if (newer > 0) {
-    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-  } else {
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-  }
-}
-
-// Rows [t0, t0 + n) of a later chunk, asked of L2 while a chunk is staged (n = 0: none).
-struct LaterChunk {
-  int64_t t0 = 0;
-  int n = 0;
-};
+__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
 // column col0, `valid` columns (whole vectors), zeros elsewhere; with `scale`, each row then times
@@ -370,12 +360,10 @@ struct LaterChunk {
 // wait_async_copies, scales the vectors this thread copied (its own copies are complete and
 // visible to it, so no barrier is needed between). A thread keeps one column and steps down the
 // rows, so that the 64-bit address arithmetic happens once a chunk (per copy it was most of the
-// staging's instructions). Phase 0 also asks L2 for the same columns of `later`'s rows, one
-// prefetch a 128-byte line (the thread whose vector starts a line, or a row), so that its copies
-// come from L2. Needs KernelParams::rows_are_vectors.
+// staging's instructions). Needs KernelParams::rows_are_vectors.
 template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
 __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0,
-                                              int valid, bool scale, Factor factor, LaterChunk later = {}) {
+                                              int valid, bool scale, Factor factor) {
   constexpr int kVec = 16 / int(sizeof(scalar_t));
   constexpr int kGroups = kWidth / kVec;      // vectors a row
   constexpr int kStep = kThreads / kGroups;  // rows between a thread's vectors
@@ -386,14 +374,11 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
   const int64_t src_step = int64_t(kStep) * x.stride;
   scalar_t* to = dst + row0 * kStride + col;
-  const scalar_t* ahead = x.ptr + (later.t0 + row0) * x.stride + col0 + col;
-  const bool asks = column_inside && (col == 0 || reinterpret_cast<uintptr_t>(ahead) % 128 == 0);
 #pragma unroll
-  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride, ahead += src_step) {
+  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride) {
     const bool inside = column_inside && row < n;
     if (phase == 0) {
       copy_async_16(to, inside ? src : x.ptr, inside);
-      if (asks && row < later.n) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(ahead));
     } else if (inside) {
       using T = MmaTraits<scalar_t>;
       const float f = factor(t0 + row);
@@ -405,35 +390,32 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
 }
 
 // chunked::stage_chunk, 16 bytes at a time, in two steps: issue_chunk starts the chunk's copies
-// (and stores its extra row) as one group, finish_chunk waits for this thread's copies (letting
-// the `newer` groups issued after them go on) and rescales what it copied where the operand has a
-// factor. A barrier after finish_chunk makes the chunk visible.
+// (and stores its extra row) as one group, finish_chunk waits for this thread's copies and
+// rescales what it copied where the operand has a factor. A barrier after finish_chunk makes the chunk visible.
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void stage_chunk_vectors(int phase, const ChunkBuffer<Smem>& buf, const Ops& ops,
                                                     int64_t t0, int n, int64_t Da, int64_t m0, int cols, bool with_a,
-                                                    bool extra_row, LaterChunk later = {}) {
+                                                    bool extra_row) {
   const int da = int(Da);
   if (with_a) {
     stage_vectors<C, S::kDA, S::kAB>(phase, buf.a, ops.a_rows(), t0, n, 0, da, !ops.a_is_plain(),
-                                     [&](int64_t t) { return ops.a_factor(t); }, later);
+                                     [&](int64_t t) { return ops.a_factor(t); });
   }
   stage_vectors<C, S::kDA, S::kAB>(phase, buf.b, ops.b_rows(), t0, n, 0, da, !ops.b_is_plain(),
-                                   [&](int64_t t) { return ops.b_factor(t); }, later);
+                                   [&](int64_t t) { return ops.b_factor(t); });
   stage_vectors<C, S::kNB, S::kCS>(phase, buf.c, ops.c_rows(), t0, n, m0, cols, !ops.c_is_plain(),
-                                   [&](int64_t t) { return ops.c_factor(t); }, later);
+                                   [&](int64_t t) { return ops.c_factor(t); });
   if (phase == 0 && extra_row) chunked::stage_extra_row<C>(buf.extra_a, buf.extra_b, ops, t0, n);
 }
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
-                                            int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row,
-                                            LaterChunk later) {
-  stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row, later);
+                                            int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
+  stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
-                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row,
-                                             int newer) {
-  wait_async_copies(newer);
+                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
+  wait_async_copies();
   stage_chunk_vectors<S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 
@@ -643,46 +625,36 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     write_rows<S>(rows_s + 16 * warp * S::kAB, out_rows, out_l, n - 16 * warp, out_cols, p.rows_are_vectors);
   };
 
-  // Chunks staged 16 bytes at a time arrive asynchronously: with n buffers (see the launcher),
-  // the next n - 1 chunks are on their way while this one is worked on; with one buffer they are
-  // copied 16 bytes at a time when their turn comes, and rows that are not whole vectors element
-  // by element.
+  // Chunks staged 16 bytes at a time arrive asynchronously: with two buffers (see the launcher),
+  // the next chunk is on its way while this one is worked on; with one buffer they are copied 16
+  // bytes at a time when their turn comes, and rows that are not whole vectors element by element.
   const bool vectors = p.rows_are_vectors;
-  const int buffers = vectors ? p.chunk_buffers : 1;
-  const bool pipelined = buffers > 1;
+  const bool pipelined = vectors && p.chunk_buffers == 2;
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
     n = work.chunk_len(t0, C);
   };
-  // Chunk `it` into buffer `slot`, as one group of copies: an empty group past the last chunk, so
-  // that finish always lets exactly the buffers - 2 groups issued after its own go on.
-  // Each chunk staged asks L2 for the one p.l2_prefetch_chunks later (see the launcher).
-  const int prefetch_distance = p.l2_prefetch_chunks;
+  // Chunk `it` into buffer `slot`, as one group of copies (none past the last chunk).
   auto issue = [&](int slot, int64_t it) {
     if (it < chunks) {
       int64_t t0;
       int n;
       chunk_at(it, t0, n);
-      LaterChunk later;
-      if (prefetch_distance > 0 && it + prefetch_distance < chunks) chunk_at(it + prefetch_distance, later.t0, later.n);
       const ChunkBuffer<Smem> buf = chunk_buffer(slot);
-      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, later);
+      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
       if (kFused && !state_only) {  // k, E = Dc columns, as it is
-        stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; },
-                                     later);
+        stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
       }
     }
     commit_async_copies();
   };
-  auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n, int newer) {
-    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, newer);  // a2's copies too
+  auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
+    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);  // a2's copies too
   };
-  if (pipelined) {
-    for (int slot = 0; slot < buffers - 1; ++slot) issue(slot, slot);
-  }
+  if (pipelined) issue(0, 0);
   int slot = 0;  // this chunk's buffer
-  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == buffers ? 0 : slot + 1) {
+  for (int64_t it = 0; it < chunks; ++it, slot = pipelined ? 1 - slot : 0) {
     int64_t t0;
     int n;
     chunk_at(it, t0, n);
@@ -690,15 +662,15 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     Smem *a_s = buf.a, *b_s = buf.b, *c_s = buf.c;
     float *extra_a_s = buf.extra_a, *extra_b_s = buf.extra_b;
     if (pipelined) {
-      finish(buf, t0, n, buffers - 2);
+      finish(buf, t0, n);
       __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
-                        // buffer the chunk buffers - 1 ahead now fills; the state copy is published
-      issue(slot == 0 ? buffers - 1 : slot - 1, it + buffers - 1);
+                        // buffer the next chunk now fills; the state copy is published
+      issue(1 - slot, it + 1);
     } else {
       __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
       if (vectors) {
         issue(0, it);
-        finish(buf, t0, n, 0);
+        finish(buf, t0, n);
       } else {
         chunked::stage_chunk<C, DA, NB, S::kAB, S::kCS, kThreads>(a_s, b_s, c_s, extra_a_s, extra_b_s, ops, t0, n, Da,
                                                                   m0, cols, !state_only, extra_row);
@@ -857,11 +829,11 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
-  // Blocks a multiprocessor holds with one, two or three buffers: the kernel's and the device's
+  // Blocks a multiprocessor holds with one or two buffers: the kernel's and the device's
   // property, asked once per device (a call costs microseconds of host time, every launch). The
   // kernel's shared-memory limit is raised for the question here and set for the launch by
   // launch_segmented.
-  static int asked[64][3] = {};  // 0: not asked yet
+  static int asked[64][2] = {};  // 0: not asked yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   auto resident_with = [&](int buffers) {
@@ -878,19 +850,14 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   // no resident blocks: float32 at DA = 64 holds 1 block a multiprocessor with two (126 KB) and
   // more with one (72 KB): one measured faster (H200 fwd+bwd 8,16,2048,64: 1.55 ms with 2 blocks
   // a multiprocessor, two buffers 1.67; now 3, see min_blocks_per_multiprocessor), while bf16 keeps
-  // two (0.44 ms, one 0.49). FAST_CAUSAL_ATTN_TC_BUFFERS=1, 2 or 3 forces the count where it fits,
-  // for measuring (three: two chunks on their way; not yet run).
+  // two (0.44 ms, one 0.49). FAST_CAUSAL_ATTN_TC_BUFFERS=1 or 2 forces the count where it fits, for
+  // measuring.
   int buffers = p.rows_are_vectors && S::kBuffers >= 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
   if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
     const int count = std::atoi(forced);
     if (count >= 1 && count <= S::kBuffers && (count == 1 || p.rows_are_vectors)) buffers = count;
   }
   p.chunk_buffers = buffers;
-  // Each staged chunk asking L2 for the one this many later (FAST_CAUSAL_ATTN_TC_PREFETCH=1-4, for
-  // measuring; default none: not yet run).
-  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_PREFETCH")) {
-    p.l2_prefetch_chunks = p.rows_are_vectors ? std::min(std::max(std::atoi(forced), 0), 4) : 0;
-  }
   const size_t smem = S::bytes(buffers);
   const int resident = resident_with(buffers);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
@@ -919,15 +886,9 @@ void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t 
       launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
     } else if (Da <= 128) {
       // float32 at DA = 128 holds one block of 64 columns a multiprocessor (124 KB of shared
-      // memory: 4 warps, one a scheduler); 32 columns hold two (97 KB) but compute the scores
-      // twice as often. FAST_CAUSAL_ATTN_TC_COLUMNS=32 picks them, for measuring (not yet run).
-      const char* columns = std::getenv("FAST_CAUSAL_ATTN_TC_COLUMNS");
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (columns != nullptr && std::strcmp(columns, "32") == 0) {
-          launch_tensorcore<P, scalar_t, 128, 32>(p, Da, Dc, stream);
-          return;
-        }
-      }
+      // memory: 4 warps, one a scheduler). Blocks of 32 columns (two a multiprocessor, 97 KB,
+      // the scores computed twice as often) measured no faster (H200 fwd+bwd 8,16,2048,128: 5.08
+      // ms vs 5.06; 1,16,32768,128: 12.7 vs 12.2) and were removed.
       launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
     } else {
       launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
