@@ -142,34 +142,16 @@ def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, m
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("prefetch", [0, 2], ids=["no_prefetch", "prefetch2"])
-@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("buffers", [1, 2])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 200, 128, 40), (1, 1, 150, 256, 48)], ids=shape_id)
-def test_tensor_core_chunk_buffers(shape, buffers, prefetch, dtype, device, use_kernel, monkeypatch):
-    """The tensor-core kernels stage chunks into one buffer, two or three (the next one or two
-    chunks arriving during this one), each chunk staged perhaps asking L2 for a later one; the
-    launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS forces a count where it fits and
-    FAST_CAUSAL_ATTN_TC_PREFETCH a prefetch distance: each gives the reference result."""
+def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, monkeypatch):
+    """The tensor-core kernels stage chunks into one buffer or two (the next chunk arriving during
+    this one); the launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS forces a count where it
+    fits: each gives the reference result."""
     use_kernel("tensorcore")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_BUFFERS", str(buffers))
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_PREFETCH", str(prefetch))
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=True)
     check_against_reference(q, k, v, scale=0.9, normalize=True, layout="bhld")
-
-
-@pytest.mark.usefixtures("nan_filled_outputs")
-@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("shape", [(1, 2, 200, 128, 100), (2, 1, 150, 96, 128)], ids=shape_id)
-def test_tensor_core_float32_32_columns(shape, normalize, device, use_kernel, monkeypatch):
-    """float32 with a state of 65-128 rows on tensor cores in blocks of 32 columns instead of 64
-    (FAST_CAUSAL_ATTN_TC_COLUMNS=32): outputs, gradients and the final state as the reference."""
-    use_kernel("tensorcore")
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_COLUMNS", "32")
-    q, k, v = make_inputs(*shape, dtype=torch.float32, device=device, normalize=normalize)
-    check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
-    check_state_matches_reference(*shape, layout="bhld", normalize=normalize, dtype=torch.float32, device=device,
-                                  scale=0.8)
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")
@@ -201,6 +183,46 @@ def test_fused_grad_kv_matches_two_passes(shape, normalize, dtype, device, use_k
     for name, a, b in zip(("grad_q", "grad_k", "grad_v"), fused, separate):
         assert relative_error(a, b) <= tolerance, name
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")  # fused
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(2, 3, 100, 128, 128), (1, 2, 333, 100, 70), (2, 2, 40, 17, 128), (1, 1, 16, 3, 5)],
+                         ids=shape_id)
+def test_recurrent_fused_grad_kv_matches_two_passes(shape, layout, normalize, device, use_kernel, monkeypatch):
+    """The recurrent family's one float32 pass for dk and dv (E, M <= 128; the default for E, M
+    above 64 when the (batch, head) pairs fill the GPU, FAST_CAUSAL_ATTN_FUSED_GRAD_KV=1 forces it
+    at any size, =0 runs the two passes): the same state q' dO^T summed once, dk's sums over the
+    columns in another order, so both within float32 rounding of each other and of the float64
+    reference, every tile length and partial row and column."""
+    use_kernel("recurrent")
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device=device, layout=layout, normalize=normalize)
+    grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=torch.float32)
+
+    def gradients():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize, layout=layout)
+        return torch.autograd.grad(out, leaves, grad_out)
+
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    separate = gradients()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "1")
+    fused = gradients()
+    for name, a, b in zip(("grad_q", "grad_k", "grad_v"), fused, separate):
+        assert relative_error(a, b) <= 1e-5, name
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)  # fused
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_float32_wide_heads_many_pairs_default(normalize, device):
+    """float32 at E = M = 128 with as many (batch, head) pairs as an H200 has multiprocessors: the
+    default path (recurrent passes, dk and dv fused) against the float64 reference."""
+    q, k, v = make_inputs(4, 33, 40, 128, 128, dtype=torch.float32, device=device, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")
 
 
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):

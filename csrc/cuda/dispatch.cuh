@@ -64,11 +64,13 @@ KernelParams with_state_io(const KernelParams& p) {
 //  - float16 / bfloat16, every Da up to 256: tensor cores, 3-14x faster at every benchmark shape
 //    (bf16 8,16,2048,64: 0.44 / 2.84; 2,4,8192,64: 0.34 / 0.55; 1,16,32768,128: 1.72 / 24.3;
 //    4,16,2048,256 (DA = 256): 1.76 / 10.6).
-//  - float32 (3xTF32), Da <= 64: tensor cores (8,16,2048,64: 1.55 / 2.73; 4,16,8192,64: 2.89 /
-//    5.73; 2,4,8192,64 (8 blocks, segments scanned): 0.51 / 0.57; 8,16,2048,64,128: 2.64 / 3.81).
+//  - float32 (3xTF32), Da <= 64: tensor cores (sixth session: 8,16,2048,64: 1.12 / 2.71;
+//    4,16,8192,64: 2.08 / 5.68; 2,4,8192,64 (8 blocks, segments scanned): 0.41-0.56 / 0.57;
+//    8,16,2048,64,128: 2.24 / 3.60).
 //  - float32, Da = 128: tensor cores (one block a multiprocessor: about 250 registers, 209 KB of
-//    shared memory) while the blocks fit one wave (1,16,32768,128: 14.0 / 21.9), recurrent beyond
-//    (8,16,2048,128: 5.76 / 4.41).
+//    shared memory) while the blocks fit one wave (1,16,32768,128: 12.2 / 20.8), recurrent beyond
+//    (8,16,2048,128: 5.06 / 4.18 with two recurrent passes for dk and dv, 3.19 with them fused,
+//    see run_grad_kv; sixth session).
 //  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
 //    products in one buffer); float64: recurrent (the chunked family was never faster than it:
 //    8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
@@ -119,26 +121,49 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
   }
 }
 
-// The gradients of k and v in one tensor-core pass (Pass::GradKV, see tensorcore_product.cuh)
-// where both would run on tensor cores and E, M <= 64, without states in or out or packed
-// sequences (those keep the two passes). Faster than the two passes at every shape it takes
-// (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368 / 0.438, 4,16,8192,64 0.594 /
-// 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 / 0.511), so on by default;
-// FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 runs the two passes (tests compare them). Returns whether it ran.
+// Whether a pass with the state's Da rows and Dc columns runs on the recurrent family (see run_pass).
+template <typename scalar_t>
+bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
+  return !(forced_family() == Family::Chunked && Da <= kMaxChunkedRows) && !on_tensor_cores<scalar_t>(p, Da, Dc);
+}
+
+// The gradients of k and v in one pass, where both would run in the same family, without states
+// in or out or packed sequences (those keep the two passes):
+//  - tensor cores, E, M <= 64 (Pass::GradKV, see tensorcore_product.cuh): faster than the two
+//    passes at every shape it takes (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368
+//    / 0.438, 4,16,8192,64 0.594 / 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 /
+//    0.511), so on by default;
+//  - recurrent, float32, E and M in (64, 128] (recurrent_grad_kv_kernel; smaller ones only when
+//    forced): one block a (batch, head) for the whole state, where the two passes each run two
+//    blocks of 64 columns: 8,16,2048,128 fwd+bwd 3.18 ms fused / 4.22 two passes (fast-transformers
+//    3.89 in the same run). Where both passes are recurrent at these E, M by default the pairs
+//    fill more than half the multiprocessors (fewer take tensor cores); when the recurrent family
+//    is forced with fewer, the two passes split time into segments and keep them.
+// FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 runs the two passes, =1 the fused one wherever it can run
+// (tests compare them). Returns whether it ran.
 template <typename scalar_t>
 bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
+  const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
+  if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
+  const bool forced = fused != nullptr && std::strcmp(fused, "1") == 0;
+  if (p.cu_seqlens != nullptr) return false;
+  if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
+  // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
   if constexpr (kTensorCoreInput<scalar_t>) {
-    const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
-    if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
-    if (p.E > 64 || p.M > 64 || p.cu_seqlens != nullptr) return false;
-    if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
-    // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
-    if (!on_tensor_cores<scalar_t>(p, p.M, p.E) || !on_tensor_cores<scalar_t>(p, p.E, p.M)) return false;
-    launch_tensorcore<Pass::GradKV, scalar_t, 64, 64>(p, p.M, p.E, stream);  // the dk pass's Da, Dc
-    return true;
-  } else {
-    return false;
+    if (p.E <= 64 && p.M <= 64 && on_tensor_cores<scalar_t>(p, p.M, p.E) && on_tensor_cores<scalar_t>(p, p.E, p.M)) {
+      launch_tensorcore<Pass::GradKV, scalar_t, 64, 64>(p, p.M, p.E, stream);  // the dk pass's Da, Dc
+      return true;
+    }
   }
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    const bool by_default = p.E > 64 && p.M > 64 && 2 * p.B * p.H > multiprocessor_count();
+    if (p.E <= kMaxFusedRecurrentDim && p.M <= kMaxFusedRecurrentDim && on_recurrent<scalar_t>(p, p.M, p.E) &&
+        on_recurrent<scalar_t>(p, p.E, p.M) && (forced || by_default)) {
+      run_recurrent_grad_kv<scalar_t>(p, stream);
+      return true;
+    }
+  }
+  return false;
 }
 
 template <Pass P>

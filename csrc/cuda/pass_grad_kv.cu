@@ -1,4 +1,5 @@
-// The fused grad k and grad v pass of the tensor-core family (see run_grad_kv in dispatch.cuh).
+// The fused grad k and grad v pass of the tensor-core and recurrent families (see run_grad_kv in
+// dispatch.cuh).
 #include "dispatch.cuh"
 
 namespace fast_causal_attn {

@@ -104,6 +104,9 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   constexpr int kTileLoads = kSteps * kRows / kThreads;     // a and b elements each thread stages
   constexpr int kColLoads = kSteps * kBlockCols / kThreads;  // c elements each thread stages
   constexpr int kLoadBatch = 8;                           // loads in flight per thread while staging
+  // A thread's share of a tile held in registers across the recurrence (see read_share): up to
+  // 24 registers' worth (float32 rows up to 32, 64 and 128; more spilled: 32 at 48 rows, 500 bytes).
+  constexpr bool kPrefetch = (2 * kTileLoads + kColLoads) * sizeof(acc_t) <= 24 * 4;
   static_assert(kSteps * kRows % kThreads == 0 && kSteps * kBlockCols % kThreads == 0,
                 "tile loads must divide evenly");
   static_assert(ROWS % 4 == 0, "rows are read from shared memory 16 bytes at a time");
@@ -178,46 +181,90 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   const int64_t seg_begin = segment * p.segment_len;
   const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
   const int64_t tiles = seg_end > seg_begin ? (seg_end - seg_begin + kSteps - 1) / kSteps : 0;
-  for (int64_t it = 0; it < tiles; ++it) {
-    const int64_t t0 = seg_begin + (Traits::kReverse ? tiles - 1 - it : it) * kSteps;
-    const int n = int(seg_end - t0 < kSteps ? seg_end - t0 : kSteps);
+  auto tile_start = [&](int64_t it) { return seg_begin + (Traits::kReverse ? tiles - 1 - it : it) * kSteps; };
+  auto tile_steps = [&](int64_t t0) { return int(seg_end - t0 < kSteps ? seg_end - t0 : kSteps); };
 
-    // Stage the tile, kLoadBatch loads in flight before their stores. Rows past the segment or
-    // Da and columns past Dc are zero, so they add nothing.
+  // Staging a tile of n timesteps from t0: each thread reads its share of a, b and c (and of the
+  // extra row) into registers, then stores it in shared memory. Rows past the segment or Da and
+  // columns past Dc are zero, so they add nothing.
+  acc_t a_r[kTileLoads], b_r[kTileLoads], c_r[kColLoads], extra_r[2];
+  auto read_share = [&](int64_t t0, int n) {
+#pragma unroll
+    for (int k = 0; k < kTileLoads; ++k) {
+      const int i = tid + k * kThreads, t = i / kRows, r = i % kRows;
+      const bool valid = t < n && row_base + r < Da;
+      a_r[k] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
+      b_r[k] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
+    }
+#pragma unroll
+    for (int k = 0; k < kColLoads; ++k) {
+      const int i = tid + k * kThreads, t = i / kBlockCols, m = i % kBlockCols;
+      c_r[k] = (t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
+    }
+    if (extra_row && tid < kSteps) {
+      extra_r[0] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
+      extra_r[1] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
+    }
+  };
+  auto write_share = [&] {
+#pragma unroll
+    for (int k = 0; k < kTileLoads; ++k) a_s[tid + k * kThreads] = a_r[k], b_s[tid + k * kThreads] = b_r[k];
+#pragma unroll
+    for (int k = 0; k < kColLoads; ++k) c_s[tid + k * kThreads] = c_r[k];
+    if (extra_row && tid < kSteps) extra_s[tid] = extra_r[0], extra_s[kSteps + tid] = extra_r[1];
+  };
+  // Without kPrefetch, in batches of kLoadBatch reads (the 256-row bucket's share would need 68
+  // registers at once).
+  auto stage_in_batches = [&](int64_t t0, int n) {
 #pragma unroll 1
     for (int k0 = 0; k0 < kTileLoads; k0 += kLoadBatch) {
-      acc_t a_r[kLoadBatch], b_r[kLoadBatch];
+      acc_t a_b[kLoadBatch], b_b[kLoadBatch];
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
         const int i = tid + (k0 + kk) * kThreads, t = i / kRows, r = i % kRows;
         const bool valid = k0 + kk < kTileLoads && t < n && row_base + r < Da;
-        a_r[kk] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
-        b_r[kk] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
+        a_b[kk] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
+        b_b[kk] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
       }
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
-        if (k0 + kk < kTileLoads) {
-          a_s[tid + (k0 + kk) * kThreads] = a_r[kk];
-          b_s[tid + (k0 + kk) * kThreads] = b_r[kk];
-        }
+        if (k0 + kk < kTileLoads) a_s[tid + (k0 + kk) * kThreads] = a_b[kk], b_s[tid + (k0 + kk) * kThreads] = b_b[kk];
       }
     }
 #pragma unroll 1
     for (int k0 = 0; k0 < kColLoads; k0 += kLoadBatch) {
-      acc_t c_r[kLoadBatch];
+      acc_t c_b[kLoadBatch];
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
         const int i = tid + (k0 + kk) * kThreads, t = i / kBlockCols, m = i % kBlockCols;
-        c_r[kk] = (k0 + kk < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
+        c_b[kk] = (k0 + kk < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
       }
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
-        if (k0 + kk < kColLoads) c_s[tid + (k0 + kk) * kThreads] = c_r[kk];
+        if (k0 + kk < kColLoads) c_s[tid + (k0 + kk) * kThreads] = c_b[kk];
       }
     }
     if (extra_row && tid < kSteps) {
       extra_s[tid] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
       extra_s[kSteps + tid] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
+    }
+  };
+
+  // With kPrefetch the next tile's reads are issued before this tile's recurrence and stored
+  // after it, so that their latency hides behind the work instead of stalling every tile (H200
+  // fp32 ms, fwd / fwd+bwd, before -> after: 8,16,2048,128 1.259 / 4.404 -> 1.085 / 4.179;
+  // 8,16,2048,64 recurrent forced: fwd+bwd 2.73 -> 2.71).
+  if constexpr (kPrefetch) {
+    if (tiles > 0) read_share(tile_start(0), tile_steps(tile_start(0))), write_share();
+  }
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int64_t t0 = tile_start(it);
+    const int n = tile_steps(t0);
+    const bool more = it + 1 < tiles;
+    if constexpr (kPrefetch) {
+      if (more) read_share(tile_start(it + 1), tile_steps(tile_start(it + 1)));
+    } else {
+      stage_in_batches(t0, n);
     }
     __syncthreads();
 
@@ -257,6 +304,9 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
         }
       }
       __syncthreads();  // the next tile overwrites shared memory
+      if constexpr (kPrefetch) {
+        if (more) write_share();
+      }
       continue;
     }
 
@@ -295,7 +345,10 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
         }
       }
     }
-    __syncthreads();  // the next tile overwrites shared memory
+    if constexpr (kPrefetch) {  // a, b and c were last read before the barrier after the recurrence
+      if (more) write_share();
+    }
+    __syncthreads();  // the next tile overwrites shared memory (and, with kPrefetch, is in it)
   }
 
   if (state_only) {
@@ -400,6 +453,210 @@ void run_recurrent(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t s
     launch_recurrent<P, scalar_t, 32, 8>(p, Da, Dc, stream);
   }
 }
+
+// The gradients of k and v in one reverse pass (float32, E and M up to 128, no states in or out,
+// no packed sequences): both are products of one state S = sum_{s>=t} q'[s] dO[s]^T (E x M,
+// q' = q scale / den), the GradV pass's state and the transpose of GradK's:
+//   dv[t][m] = sum_e k[t][e] S[e][m],   dk[t][e] = sum_m v[t][m] S[e][m]  (+ the normalizer's row).
+// A block owns one (batch, head) and the whole state, so that q, k, v and dO are read once and
+// each step's q' dO^T is added once (the two passes each did both, in two blocks of 64 columns at
+// E = M = 128): warp g holds rows [8g, 8g + 8), lane l columns l + 32n (n < NC). dv's sums over
+// rows cross warps (partial sums in shared memory, as in the recurrent kernel); dk's sums over
+// columns stay within a warp (shuffles), so each warp writes its own rows of dk.
+constexpr int kFusedSteps = 16;  // timesteps a tile: 16 warps' dv partial sums of 128 columns fill 128 KB
+
+// Sums x[r] (r < 8) over the warp: lane l returns the total of row (l >> 2) & 7 (each total held
+// by four lanes). A reduce-scatter: 4 + 2 + 1 exchanges halve the rows a lane holds, then 2 more
+// finish the sum; 9 shuffles instead of 8 x 5.
+__device__ __forceinline__ float warp_sum_rows8(const float (&x)[8], int lane) {
+  const bool hi16 = lane & 16, hi8 = lane & 8, hi4 = lane & 4;
+  float y[4], z[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // rows 4 (hi16) + i
+    y[i] = (hi16 ? x[i + 4] : x[i]) + __shfl_xor_sync(0xffffffffu, hi16 ? x[i] : x[i + 4], 16);
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {  // rows 4 (hi16) + 2 (hi8) + i
+    z[i] = (hi8 ? y[i + 2] : y[i]) + __shfl_xor_sync(0xffffffffu, hi8 ? y[i] : y[i + 2], 8);
+  }
+  float w = (hi4 ? z[1] : z[0]) + __shfl_xor_sync(0xffffffffu, hi4 ? z[0] : z[1], 4);
+  w += __shfl_xor_sync(0xffffffffu, w, 2);
+  return w + __shfl_xor_sync(0xffffffffu, w, 1);
+}
+
+template <int GROUPS, int NC>
+struct FusedSmemLayout {
+  static constexpr int kRows = 8 * GROUPS, kBlockCols = kCols * NC;
+  static constexpr int kRowTiles = 2 * kFusedSteps * kRows;        // k, q'
+  static constexpr int kColTiles = 2 * kFusedSteps * kBlockCols;   // dO, v
+  static constexpr int kPartials = GROUPS * kFusedSteps * kBlockCols;
+  static constexpr int kGradK = kFusedSteps * kRows;
+  static constexpr int kElements = kRowTiles + kColTiles + kPartials + kGradK + kFusedSteps;  // + the extra row's b
+};
+
+// grid.x = batch * heads; block = GROUPS warps.
+template <typename scalar_t, int GROUPS, int NC>
+__global__ void __launch_bounds__(GROUPS * kWarp, 16 / GROUPS) recurrent_grad_kv_kernel(const KernelParams p) {
+  using acc_t = float;
+  using Smem = FusedSmemLayout<GROUPS, NC>;
+  constexpr int ROWS = 8, kRows = Smem::kRows, kBlockCols = Smem::kBlockCols, kThreads = GROUPS * kWarp;
+  constexpr int kRowLoads = kFusedSteps * kRows / kThreads, kColLoads = kFusedSteps * kBlockCols / kThreads;
+  static_assert(kFusedSteps * kRows % kThreads == 0 && kFusedSteps * kBlockCols % kThreads == 0, "even split");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  acc_t* k_s = reinterpret_cast<acc_t*>(smem_raw);        // [kFusedSteps][kRows]
+  acc_t* q_s = k_s + kFusedSteps * kRows;                 // [kFusedSteps][kRows], q'
+  acc_t* dout_s = k_s + Smem::kRowTiles;                  // [kFusedSteps][kBlockCols]
+  acc_t* v_s = dout_s + kFusedSteps * kBlockCols;         // [kFusedSteps][kBlockCols]
+  acc_t* partial_s = dout_s + Smem::kColTiles;            // [GROUPS][kFusedSteps][kBlockCols]
+  acc_t* dk_s = partial_s + Smem::kPartials;              // [kFusedSteps][kRows]
+  acc_t* extra_b_s = dk_s + Smem::kGradK;                 // [kFusedSteps]
+
+  const int tid = threadIdx.x, group = tid / kWarp, lane = tid % kWarp, row0 = group * ROWS;
+  const int64_t pair = blockIdx.x, b = pair / p.H, h = pair % p.H, L = p.L, E = p.E, M = p.M;
+  const bool normalize = p.normalize;
+  const acc_t* den = normalize ? static_cast<const acc_t*>(p.den) + pair * L : nullptr;
+  const acc_t* dout_dot_out = normalize ? static_cast<const acc_t*>(p.dout_dot_out) + pair * L : nullptr;
+  const Operands<Pass::GradK, scalar_t, acc_t> ops_k(p, b, h, den, dout_dot_out);  // v, the extra row, dk
+  const Operands<Pass::GradV, scalar_t, acc_t> ops_v(p, b, h, den, nullptr);        // k, q', dO, dv
+
+  acc_t state[NC][ROWS], extra[ROWS];  // extra: sum_{s>=t} extra_b[s] q'[s] (normalize), lane 0's adds it
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    extra[r] = acc_t(0);
+#pragma unroll
+    for (int n = 0; n < NC; ++n) state[n][r] = acc_t(0);
+  }
+
+  // Each thread's share of a tile, read into registers while the tile before it is worked on and
+  // stored after (as read_share in the recurrent kernel). Past L, E or M: zeros. A thread reads
+  // one row element (column) of every kRowStep-th (kColStep-th) timestep, stepping pointers down
+  // the rows: addresses computed once per share held 48 registers.
+  constexpr int kRowStep = kThreads / kRows, kColStep = kThreads / kBlockCols;
+  static_assert(kThreads % kRows == 0 && kThreads % kBlockCols == 0, "whole rows per pass over the threads");
+  const int row_t = tid / kRows, row_e = tid % kRows, col_t = tid / kBlockCols, col_m = tid % kBlockCols;
+  const auto k_rows = ops_v.a_rows(), q_rows = ops_v.b_rows(), dout_rows = ops_v.c_rows();
+  const auto v_rows = ops_k.a_rows();
+  const int64_t tiles = (L + kFusedSteps - 1) / kFusedSteps;
+  acc_t k_r[kRowLoads], q_r[kRowLoads], dout_r[kColLoads], v_r[kColLoads], extra_b_r = acc_t(0);
+  auto read_share = [&](int64_t it) {
+    const int64_t t0 = (tiles - 1 - it) * kFusedSteps;
+    const scalar_t* k_at = k_rows.ptr + (t0 + row_t) * k_rows.stride + row_e;
+    const scalar_t* q_at = q_rows.ptr + (t0 + row_t) * q_rows.stride + row_e;
+#pragma unroll
+    for (int j = 0; j < kRowLoads; ++j) {
+      const int64_t t = t0 + row_t + j * kRowStep;
+      const bool valid = t < L && row_e < E;
+      k_r[j] = valid ? acc_t(*k_at) : acc_t(0);  // GradV's a and b: k, q scale / den
+      q_r[j] = valid ? acc_t(*q_at) * ops_v.b_factor(t) : acc_t(0);
+      k_at += kRowStep * k_rows.stride, q_at += kRowStep * q_rows.stride;
+    }
+    const scalar_t* dout_at = dout_rows.ptr + (t0 + col_t) * dout_rows.stride + col_m;
+    const scalar_t* v_at = v_rows.ptr + (t0 + col_t) * v_rows.stride + col_m;
+#pragma unroll
+    for (int j = 0; j < kColLoads; ++j) {
+      const bool valid = t0 + col_t + j * kColStep < L && col_m < M;
+      dout_r[j] = valid ? acc_t(*dout_at) : acc_t(0);  // GradV's c and GradK's a: dO, v
+      v_r[j] = valid ? acc_t(*v_at) : acc_t(0);
+      dout_at += kColStep * dout_rows.stride, v_at += kColStep * v_rows.stride;
+    }
+    if (normalize && tid < kFusedSteps) extra_b_r = t0 + tid < L ? ops_k.extra_b(t0 + tid) : acc_t(0);
+  };
+  auto write_share = [&] {
+#pragma unroll
+    for (int j = 0; j < kRowLoads; ++j) k_s[tid + j * kThreads] = k_r[j], q_s[tid + j * kThreads] = q_r[j];
+#pragma unroll
+    for (int j = 0; j < kColLoads; ++j) dout_s[tid + j * kThreads] = dout_r[j], v_s[tid + j * kThreads] = v_r[j];
+    if (normalize && tid < kFusedSteps) extra_b_s[tid] = extra_b_r;
+  };
+
+  if (tiles > 0) read_share(0), write_share();
+  __syncthreads();
+  for (int64_t it = 0; it < tiles; ++it) {
+    const int64_t t0 = (tiles - 1 - it) * kFusedSteps;
+    const int n = int(L - t0 < kFusedSteps ? L - t0 : kFusedSteps);
+    const bool more = it + 1 < tiles;
+    if (more) read_share(it + 1);
+
+#pragma unroll 2
+    for (int j = 0; j < kFusedSteps; ++j) {
+      const int t = kFusedSteps - 1 - j;  // reverse in time
+      acc_t k_t[ROWS], q_t[ROWS], dout_t[NC], v_t[NC];
+      load_rows<ROWS>(k_s + t * kRows + row0, k_t);
+      load_rows<ROWS>(q_s + t * kRows + row0, q_t);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) dout_t[c] = dout_s[t * kBlockCols + c * kCols + lane], v_t[c] = v_s[t * kBlockCols + c * kCols + lane];
+      acc_t dk_part[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) dk_part[r] = acc_t(0);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        acc_t dv_part = acc_t(0);
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          state[c][r] += q_t[r] * dout_t[c];
+          dv_part += k_t[r] * state[c][r];
+          dk_part[r] += v_t[c] * state[c][r];
+        }
+        partial_s[(group * kFusedSteps + t) * kBlockCols + c * kCols + lane] = dv_part;
+      }
+      if (normalize) {
+        const acc_t xb = extra_b_s[t];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          extra[r] += xb * q_t[r];
+          if (lane == 0) dk_part[r] += extra[r];
+        }
+      }
+      const acc_t dk = warp_sum_rows8(dk_part, lane);
+      if ((lane & 3) == 0) dk_s[t * kRows + row0 + ((lane >> 2) & 7)] = dk;
+    }
+    __syncthreads();
+
+    // dv: the warps' partial sums added; dk as the warps left it. Both written row by row.
+#pragma unroll
+    for (int j = 0; j < kColLoads; ++j) {
+      const int i = tid + j * kThreads, t = i / kBlockCols, m = i % kBlockCols;
+      if (t < n && m < M) {
+        acc_t sum = acc_t(0);
+#pragma unroll
+        for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kFusedSteps + t) * kBlockCols + m];
+        ops_v.store(t0 + t, m, sum, acc_t(1));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRowLoads; ++j) {
+      const int i = tid + j * kThreads, t = i / kRows, e = i % kRows;
+      if (t < n && e < E) ops_k.store(t0 + t, e, dk_s[t * kRows + e], acc_t(1));
+    }
+    if (more) write_share();  // k, q', dO and v were last read before the barrier above
+    __syncthreads();
+  }
+}
+
+template <typename scalar_t, int GROUPS, int NC>
+void launch_recurrent_grad_kv(const KernelParams& p, cudaStream_t stream) {
+  auto kernel = recurrent_grad_kv_kernel<scalar_t, GROUPS, NC>;
+  constexpr size_t smem = FusedSmemLayout<GROUPS, NC>::kElements * sizeof(float);
+  static_assert(smem <= 227 * 1024, "fits a multiprocessor");
+  const int64_t pairs = p.B * p.H;
+  TORCH_CHECK(pairs <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head) pairs: ", pairs);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  }
+  kernel<<<dim3(unsigned(pairs)), dim3(GROUPS * kWarp), smem, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One bucket: E and M up to 128 (16 warps, 4 columns a lane). Smaller ones run it too when
+// forced (FAST_CAUSAL_ATTN_FUSED_GRAD_KV=1), with idle rows and columns; by default they take
+// the two passes (see run_grad_kv). An 8-warp bucket for E <= 64 spilled at its two blocks a
+// multiprocessor.
+template <typename scalar_t>
+void run_recurrent_grad_kv(const KernelParams& p, cudaStream_t stream) {
+  launch_recurrent_grad_kv<scalar_t, 16, 4>(p, stream);
+}
+constexpr int64_t kMaxFusedRecurrentDim = 128;  // E and M
 
 }  // namespace cuda
 }  // namespace fast_causal_attn
