@@ -70,6 +70,15 @@ __device__ __forceinline__ void recurrence_tile(const acc_t* __restrict__ a, con
   }
 }
 
+// Output (t, m) of a tile: the GROUPS warps' partial sums, [GROUPS][STEPS][COLS] in shared memory.
+template <int GROUPS, int STEPS, int COLS, typename acc_t>
+__device__ __forceinline__ acc_t sum_partials(const acc_t* partial_s, int t, int m) {
+  acc_t sum = acc_t(0);
+#pragma unroll
+  for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * STEPS + t) * COLS + m];
+  return sum;
+}
+
 // Shared memory of one block, in accumulation-type elements: the a and b tiles, the partial sums
 // of the outputs, the c tile, the extra row, the normalizer's partial sums and the normalizer.
 template <int ROWS, int GROUPS, int NC>
@@ -335,9 +344,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     for (int k = 0; k < kColLoads; ++k) {
       const int i = tid + k * kThreads, t = i / kBlockCols, m = i % kBlockCols;
       if (t < n && m < cols) {
-        acc_t sum = acc_t(0);
-#pragma unroll
-        for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kSteps + t) * kBlockCols + m];
+        const acc_t sum = sum_partials<GROUPS, kSteps, kBlockCols>(partial_s, t, m);
         if (split_rows) {
           atomicAdd(static_cast<acc_t*>(p.slab_out) + (pair * L + t0 + t) * Dc + m0 + m, sum);
         } else {
@@ -617,12 +624,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp, 16 / GROUPS) recurrent_grad_kv
 #pragma unroll
     for (int j = 0; j < kColLoads; ++j) {
       const int i = tid + j * kThreads, t = i / kBlockCols, m = i % kBlockCols;
-      if (t < n && m < M) {
-        acc_t sum = acc_t(0);
-#pragma unroll
-        for (int g = 0; g < GROUPS; ++g) sum += partial_s[(g * kFusedSteps + t) * kBlockCols + m];
-        ops_v.store(t0 + t, m, sum, acc_t(1));
-      }
+      if (t < n && m < M) ops_v.store(t0 + t, m, sum_partials<GROUPS, kFusedSteps, kBlockCols>(partial_s, t, m), acc_t(1));
     }
 #pragma unroll
     for (int j = 0; j < kRowLoads; ++j) {
