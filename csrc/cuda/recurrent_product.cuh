@@ -222,8 +222,8 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     for (int k = 0; k < kColLoads; ++k) c_s[tid + k * kThreads] = c_r[k];
     if (extra_row && tid < kSteps) extra_s[tid] = extra_r[0], extra_s[kSteps + tid] = extra_r[1];
   };
-  // Without kPrefetch, in batches of kLoadBatch reads (the 256-row bucket's share would need 68
-  // registers at once).
+  // Without kPrefetch, in batches of kLoadBatch reads: read_share then write_share at once
+  // spilled 1240 bytes a thread in the 256-row bucket (a share of 68 registers), 350 at 48 rows.
   auto stage_in_batches = [&](int64_t t0, int n) {
 #pragma unroll 1
     for (int k0 = 0; k0 < kTileLoads; k0 += kLoadBatch) {
