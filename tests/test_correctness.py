@@ -225,6 +225,48 @@ def test_float32_wide_heads_many_pairs_default(normalize, device):
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("dtype,shape", [
+    (torch.bfloat16, (2, 3, 300, 64, 64)),  # tensor cores, fused dk/dv, segments
+    (torch.float32, (1, 2, 1000, 64, 48)),
+    (torch.float32, (2, 2, 90, 300, 20)),    # recurrent, the state's rows in slabs (atomics)
+    (torch.float64, (1, 2, 70, 16, 8)),      # recurrent, separate dk and dv passes
+], ids=lambda x: shape_id(x) if isinstance(x, tuple) else str(x))
+@pytest.mark.parametrize("final_state", [False, True], ids=["no_state", "final_state"])
+def test_concurrent_backward_matches_sequential(shape, dtype, normalize, final_state, device, monkeypatch):
+    """FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD=1 runs the dk/dv passes on a side stream beside dq:
+    the same kernels on the same inputs, so the gradients of the sequential backward (up to the
+    order of the slabs' atomic sums), with and without a final-state gradient (which sends the
+    passes to the state-carrying families)."""
+    if final_state and shape[3] > 256:
+        pytest.skip("states on CUDA take head dims up to 256")
+    B, H, L, E, M = shape
+    q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
+    grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=dtype)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    grad_kv = torch.randn(B, H, E, M, dtype=torch.float64).to(device=device, dtype=state_dtype)
+    grad_k_sum = torch.randn(B, H, E, dtype=torch.float64).to(device=device, dtype=state_dtype)
+
+    def gradients():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        if not final_state:
+            out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize)
+            return torch.autograd.grad(out, leaves, grad_out)
+        out, state = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize,
+                                                              return_final_state=True)
+        return torch.autograd.grad((out, state.kv, state.k_sum), leaves, (grad_out, grad_kv, grad_k_sum))
+
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD", "0")
+    sequential = gradients()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD", "1")
+    concurrent = gradients()
+    for name, a, b in zip(("grad_q", "grad_k", "grad_v"), concurrent, sequential):
+        assert relative_error(a, b) <= 1e-6, name
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")  # concurrent
+
+
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
     """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
     contiguous, the one case that is copied); v: every other timestep of a longer buffer."""
