@@ -154,6 +154,25 @@ def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, mo
     check_against_reference(q, k, v, scale=0.9, normalize=True, layout="bhld")
 
 
+def input_gradients(q, k, v, grad_out, *, grad_state=None, **kwargs):
+    """The gradients of q, k and v through causal_linear_attention(q, k, v, **kwargs) for
+    grad_out (and, given grad_state = (grad_kv, grad_k_sum), through its final state too)."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    if grad_state is None:
+        return torch.autograd.grad(fast_causal_attn.causal_linear_attention(*leaves, **kwargs), leaves, grad_out)
+    out, state = fast_causal_attn.causal_linear_attention(*leaves, return_final_state=True, **kwargs)
+    return torch.autograd.grad((out, *state), leaves, (grad_out, *grad_state))
+
+
+def off_and_on(monkeypatch, variable, compute):
+    """compute() with the environment variable at "0", then at "1"."""
+    results = []
+    for value in ("0", "1"):
+        monkeypatch.setenv(variable, value)
+        results.append(compute())
+    return results
+
+
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -169,16 +188,8 @@ def test_fused_grad_kv_matches_two_passes(shape, normalize, dtype, device, use_k
     use_kernel("tensorcore")
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
     grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=dtype)
-
-    def gradients():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize)
-        return torch.autograd.grad(out, leaves, grad_out)
-
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
-    separate = gradients()
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "1")
-    fused = gradients()
+    separate, fused = off_and_on(monkeypatch, "FAST_CAUSAL_ATTN_FUSED_GRAD_KV",
+                                 lambda: input_gradients(q, k, v, grad_out, scale=0.7, normalize=normalize))
     tolerance = 1e-5 if dtype == torch.float32 else 4 * ERROR_FLOOR[dtype]
     for name, a, b in zip(("grad_q", "grad_k", "grad_v"), fused, separate):
         assert relative_error(a, b) <= tolerance, name
@@ -200,16 +211,9 @@ def test_recurrent_fused_grad_kv_matches_two_passes(shape, layout, normalize, de
     use_kernel("recurrent")
     q, k, v = make_inputs(*shape, dtype=torch.float32, device=device, layout=layout, normalize=normalize)
     grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=torch.float32)
-
-    def gradients():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize, layout=layout)
-        return torch.autograd.grad(out, leaves, grad_out)
-
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
-    separate = gradients()
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "1")
-    fused = gradients()
+    separate, fused = off_and_on(
+        monkeypatch, "FAST_CAUSAL_ATTN_FUSED_GRAD_KV",
+        lambda: input_gradients(q, k, v, grad_out, scale=0.7, normalize=normalize, layout=layout))
     for name, a, b in zip(("grad_q", "grad_k", "grad_v"), fused, separate):
         assert relative_error(a, b) <= 1e-5, name
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout=layout)  # fused
@@ -246,22 +250,13 @@ def test_concurrent_backward_matches_sequential(shape, dtype, normalize, final_s
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
     grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=dtype)
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    grad_kv = torch.randn(B, H, E, M, dtype=torch.float64).to(device=device, dtype=state_dtype)
-    grad_k_sum = torch.randn(B, H, E, dtype=torch.float64).to(device=device, dtype=state_dtype)
-
-    def gradients():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        if not final_state:
-            out = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize)
-            return torch.autograd.grad(out, leaves, grad_out)
-        out, state = fast_causal_attn.causal_linear_attention(*leaves, scale=0.7, normalize=normalize,
-                                                              return_final_state=True)
-        return torch.autograd.grad((out, state.kv, state.k_sum), leaves, (grad_out, grad_kv, grad_k_sum))
-
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD", "0")
-    sequential = gradients()
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD", "1")
-    concurrent = gradients()
+    grad_state = None
+    if final_state:
+        grad_state = tuple(torch.randn(*dims, dtype=torch.float64).to(device=device, dtype=state_dtype)
+                           for dims in ((B, H, E, M), (B, H, E)))
+    sequential, concurrent = off_and_on(
+        monkeypatch, "FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD",
+        lambda: input_gradients(q, k, v, grad_out, grad_state=grad_state, scale=0.7, normalize=normalize))
     for name, a, b in zip(("grad_q", "grad_k", "grad_v"), concurrent, sequential):
         assert relative_error(a, b) <= 1e-6, name
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")  # concurrent
