@@ -194,26 +194,30 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
   auto tile_steps = [&](int64_t t0) { return int(seg_end - t0 < kSteps ? seg_end - t0 : kSteps); };
 
   // Staging a tile of n timesteps from t0: each thread reads its share of a, b and c (and of the
-  // extra row) into registers, then stores it in shared memory. Rows past the segment or Da and
-  // columns past Dc are zero, so they add nothing.
+  // extra row) into registers, then stores it in shared memory. Element k of the share: a and b
+  // at shared-memory index tid + k * kThreads of their tiles, c likewise. Rows past the segment or
+  // Da and columns past Dc (and k past the share) are zero, so they add nothing.
+  auto read_ab = [&](int64_t t0, int n, int k, acc_t& a, acc_t& b) {
+    const int i = tid + k * kThreads, t = i / kRows, r = i % kRows;
+    const bool valid = k < kTileLoads && t < n && row_base + r < Da;
+    a = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
+    b = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
+  };
+  auto read_c = [&](int64_t t0, int n, int k) {
+    const int i = tid + k * kThreads, t = i / kBlockCols, m = i % kBlockCols;
+    return (k < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
+  };
+  auto read_extra = [&](int64_t t0, int n, acc_t (&x)[2]) {  // threads tid < kSteps only
+    x[0] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
+    x[1] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
+  };
   acc_t a_r[kTileLoads], b_r[kTileLoads], c_r[kColLoads], extra_r[2];
   auto read_share = [&](int64_t t0, int n) {
 #pragma unroll
-    for (int k = 0; k < kTileLoads; ++k) {
-      const int i = tid + k * kThreads, t = i / kRows, r = i % kRows;
-      const bool valid = t < n && row_base + r < Da;
-      a_r[k] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
-      b_r[k] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
-    }
+    for (int k = 0; k < kTileLoads; ++k) read_ab(t0, n, k, a_r[k], b_r[k]);
 #pragma unroll
-    for (int k = 0; k < kColLoads; ++k) {
-      const int i = tid + k * kThreads, t = i / kBlockCols, m = i % kBlockCols;
-      c_r[k] = (t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
-    }
-    if (extra_row && tid < kSteps) {
-      extra_r[0] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
-      extra_r[1] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
-    }
+    for (int k = 0; k < kColLoads; ++k) c_r[k] = read_c(t0, n, k);
+    if (extra_row && tid < kSteps) read_extra(t0, n, extra_r);
   };
   auto write_share = [&] {
 #pragma unroll
@@ -229,12 +233,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     for (int k0 = 0; k0 < kTileLoads; k0 += kLoadBatch) {
       acc_t a_b[kLoadBatch], b_b[kLoadBatch];
 #pragma unroll
-      for (int kk = 0; kk < kLoadBatch; ++kk) {
-        const int i = tid + (k0 + kk) * kThreads, t = i / kRows, r = i % kRows;
-        const bool valid = k0 + kk < kTileLoads && t < n && row_base + r < Da;
-        a_b[kk] = (valid && !state_only) ? ops.a_at(t0 + t, row_base + r) : acc_t(0);
-        b_b[kk] = valid ? ops.b_at(t0 + t, row_base + r) : acc_t(0);
-      }
+      for (int kk = 0; kk < kLoadBatch; ++kk) read_ab(t0, n, k0 + kk, a_b[kk], b_b[kk]);
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
         if (k0 + kk < kTileLoads) a_s[tid + (k0 + kk) * kThreads] = a_b[kk], b_s[tid + (k0 + kk) * kThreads] = b_b[kk];
@@ -244,18 +243,16 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
     for (int k0 = 0; k0 < kColLoads; k0 += kLoadBatch) {
       acc_t c_b[kLoadBatch];
 #pragma unroll
-      for (int kk = 0; kk < kLoadBatch; ++kk) {
-        const int i = tid + (k0 + kk) * kThreads, t = i / kBlockCols, m = i % kBlockCols;
-        c_b[kk] = (k0 + kk < kColLoads && t < n && m < cols) ? ops.c_at(t0 + t, m0 + m) : acc_t(0);
-      }
+      for (int kk = 0; kk < kLoadBatch; ++kk) c_b[kk] = read_c(t0, n, k0 + kk);
 #pragma unroll
       for (int kk = 0; kk < kLoadBatch; ++kk) {
         if (k0 + kk < kColLoads) c_s[tid + (k0 + kk) * kThreads] = c_b[kk];
       }
     }
     if (extra_row && tid < kSteps) {
-      extra_s[tid] = tid < n ? ops.extra_a(t0 + tid) : acc_t(0);
-      extra_s[kSteps + tid] = tid < n ? ops.extra_b(t0 + tid) : acc_t(0);
+      acc_t x[2];
+      read_extra(t0, n, x);
+      extra_s[tid] = x[0], extra_s[kSteps + tid] = x[1];
     }
   };
 
