@@ -229,39 +229,6 @@ def test_float32_wide_heads_many_pairs_default(normalize, device):
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")
 
 
-@pytest.mark.usefixtures("nan_filled_outputs")
-@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
-@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
-@pytest.mark.parametrize("dtype,shape", [
-    (torch.bfloat16, (2, 3, 300, 64, 64)),  # tensor cores, fused dk/dv, segments
-    (torch.float32, (1, 2, 1000, 64, 48)),
-    (torch.float32, (2, 2, 90, 300, 20)),    # recurrent, the state's rows in slabs (atomics)
-    (torch.float64, (1, 2, 70, 16, 8)),      # recurrent, separate dk and dv passes
-], ids=lambda x: shape_id(x) if isinstance(x, tuple) else str(x))
-@pytest.mark.parametrize("final_state", [False, True], ids=["no_state", "final_state"])
-def test_concurrent_backward_matches_sequential(shape, dtype, normalize, final_state, device, monkeypatch):
-    """FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD=1 runs the dk/dv passes on a side stream beside dq:
-    the same kernels on the same inputs, so the gradients of the sequential backward (up to the
-    order of the slabs' atomic sums), with and without a final-state gradient (which sends the
-    passes to the state-carrying families)."""
-    if final_state and shape[3] > 256:
-        pytest.skip("states on CUDA take head dims up to 256")
-    B, H, L, E, M = shape
-    q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
-    grad_out = torch.randn(v.shape, dtype=torch.float64).to(device=device, dtype=dtype)
-    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    grad_state = None
-    if final_state:
-        grad_state = tuple(torch.randn(*dims, dtype=torch.float64).to(device=device, dtype=state_dtype)
-                           for dims in ((B, H, E, M), (B, H, E)))
-    sequential, concurrent = off_and_on(
-        monkeypatch, "FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD",
-        lambda: input_gradients(q, k, v, grad_out, grad_state=grad_state, scale=0.7, normalize=normalize))
-    for name, a, b in zip(("grad_q", "grad_k", "grad_v"), concurrent, sequential):
-        assert relative_error(a, b) <= 1e-6, name
-    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")  # concurrent
-
-
 def strided_inputs(B, H, L, E, M, *, dtype, device, layout, normalize):
     """q: a slice of a wider buffer (row stride > E); k: a transposed view (last dim not
     contiguous, the one case that is copied); v: every other timestep of a longer buffer."""

@@ -1,12 +1,10 @@
 // CUDA backend: the launchers behind the ops and their registration for CUDA tensors.
 #include <algorithm>
 #include <cstdlib>
-#include <cstring>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Context.h>
-#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -75,34 +73,6 @@ void launch_forward_cuda(const ForwardParams& params) {
   }
 }
 
-// The dk and dv passes (fused where run_grad_kv_pass takes them).
-void run_grad_kv_passes(const KernelParams& p, cudaStream_t stream) {
-  if (!run_grad_kv_pass(p, stream)) {
-    run_grad_k_pass(p, stream);
-    run_grad_v_pass(p, stream);
-  }
-}
-
-// dq and the dk/dv passes read the same inputs and write different outputs, so they may run
-// concurrently (issue 5: "concurrently where possible"): each fills at most one wave of blocks
-// and leaves the multiprocessors idle in its tail and in its segments' state pass and scans.
-// FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD=1 runs dk/dv on a side stream beside dq; off by default
-// until measured.
-bool concurrent_backward() {
-  const char* concurrent = std::getenv("FAST_CAUSAL_ATTN_CONCURRENT_BACKWARD");
-  return concurrent != nullptr && std::strcmp(concurrent, "1") == 0;
-}
-
-// `after` waits (on the device) for everything queued on `before` so far. The event is released
-// once it has completed.
-void order_streams(cudaStream_t before, cudaStream_t after) {
-  cudaEvent_t event;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(event, before));
-  C10_CUDA_CHECK(cudaStreamWaitEvent(after, event, 0));
-  C10_CUDA_CHECK(cudaEventDestroy(event));
-}
-
 void launch_backward_cuda(const BackwardParams& params) {
   KernelParams p;
   static_cast<BackwardParams&>(p) = params;
@@ -121,23 +91,15 @@ void launch_backward_cuda(const BackwardParams& params) {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
-  if (concurrent_backward()) {
-    // Fork: the side stream starts after everything so far (the inputs, dout_dot_out); join: the
-    // caller's stream goes on only after it, so nothing of the caller's is freed and reused while
-    // the side stream may still read or write it.
-    const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool();
-    order_streams(stream, side.stream());
-    {
-      // Workspaces allocated for the side stream's passes belong to it (the caching allocator
-      // hands a freed block only to later work on the stream it was allocated on).
-      const c10::cuda::CUDAStreamGuard on_side(side);
-      run_grad_kv_passes(p, side.stream());
-    }
-    run_grad_q_pass(p, stream);
-    order_streams(side.stream(), stream);
-  } else {
-    run_grad_q_pass(p, stream);
-    run_grad_kv_passes(p, stream);
+  // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
+  // issue's "concurrently where possible") measured slower or no faster at every shape (H200
+  // fwd+bwd ms, sequential / concurrent: bf16 8,16,2048,64 0.373 / 0.446, 4,16,8192,64 0.589 /
+  // 0.649, 1,16,32768,128 1.753 / 1.843; fp32 8,16,2048,128 3.167 / 3.167): each pass already
+  // fills one wave, and two of them side by side only share it; removed (benchmarks/RESULTS.md).
+  run_grad_q_pass(p, stream);
+  if (!run_grad_kv_pass(p, stream)) {
+    run_grad_k_pass(p, stream);
+    run_grad_v_pass(p, stream);
   }
   if (!p.normalize && p.grad_initial_k_sum != nullptr) {  // the key sum passes straight through
     const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);
