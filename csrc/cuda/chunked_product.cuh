@@ -180,8 +180,7 @@ struct BlockWork {
 
   __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc) {
     int64_t index = blockIdx.x;
-    segment = index % p.segments;
-    index /= p.segments;
+    segment = segment_of_block<P>(p, index);
     col_tile = index % col_tiles;
     pair = index / col_tiles;
     seq = Sequence::of(p, pair);

@@ -131,8 +131,7 @@ __global__ void __launch_bounds__(GROUPS * kWarp, kMinBlocks<GROUPS>)
 
   const int tid = threadIdx.x, group = tid / kWarp, lane = tid % kWarp, row0 = group * ROWS;
   int64_t index = blockIdx.x;
-  const int64_t segment = index % p.segments;
-  index /= p.segments;
+  const int64_t segment = segment_of_block<P>(p, index);
   const int64_t slab = index % p.slabs;
   index /= p.slabs;
   const int64_t col_tile = index % col_tiles, pair = index / col_tiles;
