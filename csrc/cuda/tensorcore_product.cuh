@@ -374,8 +374,10 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
   const int64_t src_step = int64_t(kStep) * x.stride;
   scalar_t* to = dst + row0 * kStride + col;
+  // row0 < kStep: every thread takes kRows / kStep rows, with no exit test a row.
 #pragma unroll
-  for (int row = row0; row < kRows; row += kStep, src += src_step, to += kStep * kStride) {
+  for (int i = 0; i < kRows / kStep; ++i, src += src_step, to += kStep * kStride) {
+    const int row = row0 + i * kStep;
     const bool inside = column_inside && row < n;
     if (phase == 0) {
       copy_async_16(to, inside ? src : x.ptr, inside);
@@ -691,15 +693,21 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
           [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB); },
           [&](int pair) { return kReverse ? pair < warp : pair > warp; });
 
-      // Mask, the normalizer's row sums (of the float scores), the extra row.
-      float row_sum[2] = {0.f, 0.f};
+      // The mask; then the normalizer's row sums (of the masked float scores) and the extra row,
+      // each in a branch the block takes as a whole (the plain passes issue neither).
+      auto kept = [&](int row, int col) { return kReverse ? col >= row : col <= row; };
       for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
-        const bool keep = kReverse ? col >= row : col <= row;
-        float value = keep ? score[j][e] : 0.f;
-        row_sum[e >> 1] += value;
-        if (keep && extra_row) value += extra_a_s[row] * extra_b_s[col];
-        score[j][e] = value;
+        if (!kept(row, col)) score[j][e] = 0.f;
       });
+      float row_sum[2] = {0.f, 0.f};
+      if (denominator) {
+        for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int, int) { row_sum[e >> 1] += score[j][e]; });
+      }
+      if (extra_row) {
+        for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
+          if (kept(row, col)) score[j][e] += extra_a_s[row] * extra_b_s[col];
+        });
+      }
       float den[2] = {1.f, 1.f};
       if (denominator) {  // eps + the row sum + a . key_sum, the quad's four lanes splitting the work
 #pragma unroll
@@ -724,20 +732,31 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       scale_back(out);
       accumulate_scores_times(out, score, c_s, S::kCS);
 
-      // The outputs, finished in registers (extra row, bias, normalizer or scale).
-      const acc_t* bias = p.out_bias != nullptr ? static_cast<const acc_t*>(p.out_bias) + pair * Dc + m0 : nullptr;
-      float factor[2];
+      // The outputs, finished in registers: the extra row's term (the state entering the chunk)
+      // or the bias (never both: one comes with normalize, the other without), then the
+      // normalizer or scale. Each in a branch the block takes as a whole: inside the per-element
+      // finish they were issued, predicated off, by every plain pass (about a tenth of the bf16
+      // forward's instructions, H200 ncu).
+      if (extra_row) {
+        for_each_accumulator<NB / 8>(16 * warp, [&](int j, int e, int row, int col) {
+          out[j][e] += extra_a_s[row] * extra_state_s[col];
+        });
+      } else if (p.out_bias != nullptr) {
+        const acc_t* bias = static_cast<const acc_t*>(p.out_bias) + pair * Dc + m0;
+        for_each_accumulator<NB / 8>(16 * warp, [&](int j, int e, int, int col) {
+          if (col < cols) out[j][e] += bias[col];
+        });
+      }
+      float factor[2] = {1.f, 1.f};  // the plain forward's: 1 / 1
+      if (P != Pass::Forward || denominator) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = h ? row_hi : row_lo;
-        factor[h] = row < n ? float(ops.out_factor(t0 + row, den[h])) : 0.f;
+        for (int h = 0; h < 2; ++h) {
+          const int row = h ? row_hi : row_lo;
+          if (row < n) factor[h] = float(ops.out_factor(t0 + row, den[h]));
+        }
       }
       write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n,
-                    [&](float value, int row, int col, int h) {
-                      if (extra_row) value += extra_a_s[row] * extra_state_s[col];  // the state entering the chunk
-                      if (bias != nullptr && col < cols) value += bias[col];
-                      return value * factor[h];
-                    });
+                    [&](float value, int, int, int h) { return value * factor[h]; });
 
       if constexpr (kFused) {  // dv = mask(K q'^T) dO + K S^T on the same rows, no extra row, factor 1
         float score_v[C / 8][4] = {};
