@@ -154,6 +154,27 @@ def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, mo
     check_against_reference(q, k, v, scale=0.9, normalize=True, layout="bhld")
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("slots", [2, 3])
+@pytest.mark.parametrize("segments", [2, 8])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 1, 700, 128, 40)], ids=shape_id)
+def test_tensor_core_state_slots(shape, segments, slots, normalize, dtype, device, use_kernel, monkeypatch):
+    """The 16-bit tensor-core kernels' segment-sum launch keeps two chunks on its way in three
+    slots (FAST_CAUSAL_ATTN_TC_STATE_SLOTS=3, the default) or one (=2). Segments of many chunks
+    (2 segments: 5 to 8 chunks of 64 steps) and of fewer chunks than slots (8 asked: 2 chunks
+    each, and 700 steps' last segment one), forward and the reverse passes, with the final
+    state: the reference result."""
+    use_kernel("tensorcore")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", str(segments))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS", str(slots))
+    q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.9, normalize=normalize, layout="bhld")
+    check_state_matches_reference(*shape, layout="bhld", normalize=normalize, dtype=dtype, device=device, scale=0.9)
+
+
 def input_gradients(q, k, v, grad_out, *, grad_state=None, **kwargs):
     """The gradients of q, k and v through causal_linear_attention(q, k, v, **kwargs) for
     grad_out (and, given grad_state = (grad_kv, grad_k_sum), through its final state too)."""

@@ -34,6 +34,9 @@ struct KernelParams : BackwardParams {
   // The tensor-core kernels' chunk buffers: with 2, the next chunk is on its way while this one is
   // worked on; with 1, each chunk is staged when its turn comes.
   int chunk_buffers = 1;
+  // With two buffers, the state-only launch of 16-bit inputs may keep two chunks on their way in
+  // three slots (see tensorcore_product_kernel); false keeps one, for measuring.
+  bool deep_state_staging = true;
   // float32 products may round their operands to TF32 once (instead of 3xTF32): only when the user
   // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
   bool tf32 = false;

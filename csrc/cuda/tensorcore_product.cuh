@@ -349,9 +349,12 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
                : "memory");
 }
 // The copies issued since the last commit become one group; wait_async_copies waits until every
-// group this thread issued is done.
+// group this thread issued is done but the kPending most recent ones.
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void wait_async_copies() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+template <int kPending = 0>
+__device__ __forceinline__ void wait_async_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
 
 // Stages kRows x kWidth elements of one operand 16 bytes at a time: rows [t0, t0 + n) of x from
 // column col0, `valid` columns (whole vectors), zeros elsewhere; with `scale`, each row then times
@@ -414,10 +417,16 @@ __device__ __forceinline__ void issue_chunk(const ChunkBuffer<Smem>& buf, const 
                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
   stage_chunk_vectors<S>(0, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
+// one_pending: a later chunk was issued after this one and may still be on its way.
 template <typename S, typename Smem, typename Ops>
 __device__ __forceinline__ void finish_chunk(const ChunkBuffer<Smem>& buf, const Ops& ops, int64_t t0, int n,
-                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row) {
-  wait_async_copies();
+                                             int64_t Da, int64_t m0, int cols, bool with_a, bool extra_row,
+                                             bool one_pending) {
+  if (one_pending) {
+    wait_async_copies<1>();
+  } else {
+    wait_async_copies<0>();
+  }
   stage_chunk_vectors<S>(1, buf, ops, t0, n, Da, m0, cols, with_a, extra_row);
 }
 
@@ -485,7 +494,18 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   float* extra_state_s = reinterpret_cast<float*>(tc_smem_raw + S::extra_state);
   float* key_sum_s = reinterpret_cast<float*>(tc_smem_raw + S::key_sum);
   float* warp_max_s = reinterpret_cast<float*>(tc_smem_raw + S::warp_max);
+  // The state-only launch stages no a: with 16-bit inputs and no extra row, the a rows of the two
+  // buffers hold a third chunk's b and c (slot 2), so that two chunks are on their way instead of
+  // one (its blocks multiply little, and waited on their chunk for a third of their time: H200
+  // ncu, bf16 8,16,2048,64). float32 (one buffer, or at DA = 128 one block a multiprocessor
+  // either way) keeps the code without it: there it cost registers and spills.
+  constexpr bool kDeepStates = sizeof(Smem) == 2 && S::kCS <= S::kAB;
   auto chunk_buffer = [&](int i) {
+    if (kDeepStates && i == 2) {
+      unsigned char* base = tc_smem_raw + S::buffers + S::a;
+      return ChunkBuffer<Smem>{nullptr, reinterpret_cast<Smem*>(base), reinterpret_cast<Smem*>(base + S::buffer),
+                               nullptr, nullptr, nullptr};
+    }
     unsigned char* base = tc_smem_raw + S::buffers + i * S::buffer;
     return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a),       reinterpret_cast<Smem*>(base + S::b),
                              reinterpret_cast<Smem*>(base + S::c),       reinterpret_cast<float*>(base + S::extra_a),
@@ -632,6 +652,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // bytes at a time when their turn comes, and rows that are not whole vectors element by element.
   const bool vectors = p.rows_are_vectors;
   const bool pipelined = vectors && p.chunk_buffers == 2;
+  const bool deep = kDeepStates && pipelined && state_only && !extra_row && p.deep_state_staging;  // see chunk_buffer
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
@@ -652,11 +673,12 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     commit_async_copies();
   };
   auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
-    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);  // a2's copies too
+    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, deep);  // a2's copies too
   };
   if (pipelined) issue(0, 0);
-  int slot = 0;  // this chunk's buffer
-  for (int64_t it = 0; it < chunks; ++it, slot = pipelined ? 1 - slot : 0) {
+  if (deep) issue(1, 1);
+  int slot = 0;  // this chunk's buffer: chunk it % 2 (it % 3 when deep)
+  for (int64_t it = 0; it < chunks; ++it, slot = deep ? (slot == 2 ? 0 : slot + 1) : pipelined ? 1 - slot : 0) {
     int64_t t0;
     int n;
     chunk_at(it, t0, n);
@@ -666,8 +688,13 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     if (pipelined) {
       finish(buf, t0, n);
       __syncthreads();  // this chunk is staged; every thread is done with the previous one, whose
-                        // buffer the next chunk now fills; the state copy is published
-      issue(1 - slot, it + 1);
+                        // buffer the next chunk (deep: the one after) now fills; the state copy
+                        // is published
+      if (deep) {
+        issue(slot == 0 ? 2 : slot - 1, it + 2);
+      } else {
+        issue(1 - slot, it + 1);
+      }
     } else {
       __syncthreads();  // the previous chunk is done with every buffer; the state copy is published
       if (vectors) {
@@ -877,6 +904,9 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
     if (count >= 1 && count <= S::kBuffers && (count == 1 || p.rows_are_vectors)) buffers = count;
   }
   p.chunk_buffers = buffers;
+  // FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2: the state-only launch keeps one chunk on its way instead
+  // of two, for measuring.
+  if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   const size_t smem = S::bytes(buffers);
   const int resident = resident_with(buffers);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
