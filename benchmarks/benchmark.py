@@ -110,6 +110,20 @@ def kernel_breakdown(fn, iters=20):
     return sum(ms for ms, _, _ in parts), parts
 
 
+def host_ms(fn, iters=20):
+    """The host's time to issue one fn() call (ms): iters calls back to back, the GPU not waited
+    for (few enough launches not to fill its queue). Beside the GPU's busy time it tells a call
+    bound by its host work (host >= busy) from one whose kernels leave the GPU idle between them."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e3
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -128,8 +142,9 @@ def main():
                              "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4', optionally with others set throughout, e.g. "
                              "'FAST_CAUSAL_ATTN_TC_BUFFERS=1,2;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
     parser.add_argument("--kernel-time", action="store_true",
-                        help="on CUDA, also profile each of this library's methods: the GPU's busy time per call "
-                             "and its kernels (host work and launch gaps are the rest of the median)")
+                        help="on CUDA, also profile each of this library's methods: the GPU's busy time per call, "
+                             "its kernels and the host's time to issue the call (host work and launch gaps are "
+                             "the rest of the median)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -232,16 +247,19 @@ def main():
                 if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
                     os.environ.update(families.get(name, {}))
                     try:
-                        busy = {}
+                        busy, host = {}, {}
                         for what, call in zip(("fwd", "fwd+bwd"), calls(fn, q, k, v, dout)):
                             busy[what], parts = kernel_breakdown(call)
+                            host[what] = host_ms(call)
                             for ms, launches, kernel in parts[:6]:
                                 print(f"{'':34} {what:>7} {ms:8.4f} ms {launches:4.1f}x {kernel[:90]}")
                     finally:
                         for variable in families.get(name, {}):
                             os.environ.pop(variable, None)
-                    rows[-1].update(busy_fwd_ms=busy["fwd"], busy_fwd_bwd_ms=busy["fwd+bwd"])
-                    print(f"{'':34} GPU busy per call: {busy['fwd']:.3f} / {busy['fwd+bwd']:.3f} ms", flush=True)
+                    rows[-1].update(busy_fwd_ms=busy["fwd"], busy_fwd_bwd_ms=busy["fwd+bwd"],
+                                    host_fwd_ms=host["fwd"], host_fwd_bwd_ms=host["fwd+bwd"])
+                    print(f"{'':34} GPU busy per call: {busy['fwd']:.3f} / {busy['fwd+bwd']:.3f} ms; "
+                          f"host per call: {host['fwd']:.3f} / {host['fwd+bwd']:.3f} ms", flush=True)
 
     if args.warm_peers:
         return
