@@ -86,10 +86,12 @@ struct PassTraits {
 // Blocks of a segmented launch: segments vary fastest. The state-only launch leaves out the last
 // segment in pass order (the last in time; the first in reverse): no segment starts from its sums.
 // segment_of_block takes the segment off a block's index (the rest of the index stays in `index`).
-inline int64_t launched_segments(const KernelParams& p) { return p.state_only ? p.segments - 1 : p.segments; }
+__host__ __device__ inline int64_t launched_segments(const KernelParams& p) {
+  return p.state_only ? p.segments - 1 : p.segments;
+}
 template <Pass P>
 __device__ __forceinline__ int64_t segment_of_block(const KernelParams& p, int64_t& index) {
-  const int64_t launched = p.state_only ? p.segments - 1 : p.segments;
+  const int64_t launched = launched_segments(p);
   const int64_t segment = index % launched;
   index /= launched;
   return p.state_only && PassTraits<P>::kReverse ? segment + 1 : segment;

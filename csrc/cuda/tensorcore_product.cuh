@@ -627,21 +627,20 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       }
     }
   };
-  // Writes this warp's 16 output rows: each value finished in registers (finish(value, row, col,
-  // h), h = 0 for row g, 1 for g + 8), rounded to the output dtype into the warp's own rows of an
+  // Writes this warp's 16 output rows: each value times its row's factor (factor[0] for row g,
+  // [1] for g + 8), rounded to the output dtype into the warp's own rows of an
   // A buffer (no other warp reads them, and this one is done with them), then written out row by
   // row to out_rows (this warp's first row): coalesced, 16 bytes a lane where rows are vectors
   // (element by element they were most of the kernel's instructions).
   auto write_outputs = [&](const float (&acc)[NB / 8][4], Smem* rows_s, scalar_t* out_rows, int64_t out_l,
-                           int out_cols, int n, auto finish) {
+                           int out_cols, int n, const float (&factor)[2]) {
     __syncwarp();
 #pragma unroll
     for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = h ? row_hi : row_lo, col = 8 * j + 2 * q;
-        T::store_pair(rows_s + row * S::kAB + col, finish(acc[j][2 * h], row, col, h),
-                      finish(acc[j][2 * h + 1], row, col + 1, h));
+        T::store_pair(rows_s + row * S::kAB + col, acc[j][2 * h] * factor[h], acc[j][2 * h + 1] * factor[h]);
       }
     __syncwarp();
     write_rows<S>(rows_s + 16 * warp * S::kAB, out_rows, out_l, n - 16 * warp, out_cols, p.rows_are_vectors);
@@ -782,8 +781,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
           if (row < n) factor[h] = float(ops.out_factor(t0 + row, den[h]));
         }
       }
-      write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n,
-                    [&](float value, int, int, int h) { return value * factor[h]; });
+      write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n, factor);
 
       if constexpr (kFused) {  // dv = mask(K q'^T) dO + K S^T on the same rows, no extra row, factor 1
         float score_v[C / 8][4] = {};
@@ -801,8 +799,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
             [](int) { return false; });
         scale_back(out_v);
         accumulate_scores_times(out_v, score_v, b_s, S::kAB);
-        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n,
-                      [](float value, int, int, int) { return value; });
+        constexpr float kOne[2] = {1.f, 1.f};
+        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n, kOne);
       }
     }
 
