@@ -10,6 +10,7 @@
 #   STAGES="build profile" PROFILE="8 16 2048 64 64 fwd bfloat16" ...  # ncu of the tensor-core kernels
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
+#   STAGES="wgmma" ...          # which shared-memory layouts wgmma takes (benchmarks/wgmma_probe.py)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -107,6 +108,10 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
       -k regex:"tensorcore_product_kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
       grep -E "Duration|Grid Size|tensorcore_product_kernel|scan_segments" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//'
   done
+fi
+
+if has wgmma; then  # the layouts a wgmma port needs (sm_90a), each checked against float64
+  python benchmarks/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log"
 fi
 
 if has bench; then
