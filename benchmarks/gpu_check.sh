@@ -10,7 +10,8 @@
 #   STAGES="build profile" PROFILE="8 16 2048 64 64 fwd bfloat16" ...  # ncu of the tensor-core kernels
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
-#   STAGES="wgmma" ...          # which shared-memory layouts wgmma takes (benchmarks/wgmma_probe.py)
+#   STAGES="wgmma" ...          # which shared-memory layouts wgmma takes (benchmarks/wgmma_probe.py),
+#                               # then the wgmma forward prototype checked and timed (wgmma_forward.py)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -112,6 +113,7 @@ fi
 
 if has wgmma; then  # the layouts a wgmma port needs (sm_90a), each checked against float64
   python benchmarks/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log"
+  python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log" | grep -v "^ptxas\|^$"
 fi
 
 if has bench; then

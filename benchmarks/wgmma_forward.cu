@@ -1,0 +1,244 @@
+// A prototype of the chunked forward on wgmma (sm_90a), to measure before any port (issue 5:
+// "wgmma on sm_90a if it pays"): bf16, E = M = 64, contiguous [B, H, L, 64], scale 1, no
+// normalize, no states, one block (one warpgroup) a (batch, head) walking all of L, as
+// flash-linear-attention's fused_chunk does. Per chunk of 64 timesteps:
+//
+//   scores = Q K^T (shared x shared), O = Q S (shared x shared, S's bf16 copy),
+//   S += K^T V (shared x shared, float32 in registers), O += mask(scores) V (registers x shared)
+//
+// 16 wgmma instructions a chunk where the mma.sync kernel issues about 480 HMMA and their
+// ldmatrix loads. Q, K and V are staged (cp.async, kStages chunks deep) once, into one layout
+// that serves every role: element (r, c) of a 64 x 64 tile at (r / 8) 1024 + (c / 8) 128 +
+// (r % 8) 16 + (c % 8) 2 bytes, no swizzle: 8 x 16-byte core matrices, 128 bytes apart along c and
+// 1024 along r. Along c is K for Q and K as score operands, along r is K for K and V in K^T V and
+// for V in P V (MN-major operands). The descriptor encoding (which offset is "leading") follows
+// the PTX ISA; benchmarks/wgmma_probe.py checks it on the GPU (kSwapOffsets flips it).
+// benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int C = 64;           // timesteps a chunk
+constexpr int D = 64;           // E = M
+constexpr int kTile = C * D * 2;  // bytes of a 64 x 64 bf16 tile
+constexpr bool kSwapOffsets = false;
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+
+// A wgmma operand descriptor, no swizzle: core matrices k_bytes apart along K, mn_bytes along M/N.
+__device__ __forceinline__ uint64_t operand(uint32_t address, uint32_t k_bytes, uint32_t mn_bytes) {
+  const uint32_t leading = kSwapOffsets ? mn_bytes : k_bytes, stride = kSwapOffsets ? k_bytes : mn_bytes;
+  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((leading & 0x3FFFF) >> 4) << 16) |
+         (uint64_t((stride & 0x3FFFF) >> 4) << 32);
+}
+// Operand views of a staged tile (rows r, columns c, see above), for k16 step s.
+__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return operand(tile + 256 * s, 128, 1024); }
+__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return operand(tile + 2048 * s, 1024, 128); }
+
+#define FCA_D32(d)                                                                                               \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FCA_D32_LIST                                                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+
+// d (64 x 64 float32, mma.sync's accumulator layout per warp) += A B^T; kTransA / kTransB: the
+// operand is MN-major in shared memory.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FCA_D32_LIST
+      ", %32, %33, p, 1, 1, %35, %36;\n}\n"
+      : FCA_D32(d)
+      : "l"(a), "l"(b), "r"(1), "n"(kTransA), "n"(kTransB));
+}
+// The same with A from registers (mma.sync's m16n8k16 A fragment, each warp its 16 rows).
+template <int kTransB>
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FCA_D32_LIST
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : FCA_D32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Shared-memory writes of this thread (generic proxy), made visible to the wgmma (async proxy).
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+// Rows [t0, t0 + 64) of a [L, 64] bf16 array into a staged tile, zeros past L: thread i copies
+// 16-byte pieces i, i + 128, ...: piece p is row 8 (p / 64) + p % 8, columns 8 ((p % 64) / 8) ..,
+// at byte 16 p of the tile, so that a warp writes 512 consecutive bytes.
+__device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int64_t t0, int64_t L) {
+#pragma unroll
+  for (int i = 0; i < C * D / 8 / 128; ++i) {
+    const int piece = threadIdx.x + 128 * i;
+    const int row = 8 * (piece / 64) + piece % 8, col = 8 * ((piece % 64) / 8);
+    const bool inside = t0 + row < L;
+    copy_16(tile + 16 * piece, inside ? x + (t0 + row) * D + col : x, inside);
+  }
+}
+
+template <int kStages>
+__global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                            const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile: rows e, columns m), then the
+  // outputs' staging rows ([64][72] bf16).
+  const uint32_t base = smem_u32(smem);
+  const uint32_t state_copy = base + kStages * 3 * kTile;
+  __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 3 * kTile + kTile);
+  constexpr int kOutStride = D + 8;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
+  const int64_t offset = int64_t(blockIdx.x) * L * D;
+  q += offset, k += offset, v += offset, out += offset;
+  const int64_t chunks = (L + C - 1) / C;
+
+  auto tile_of = [&](int64_t chunk, int which) { return base + uint32_t((chunk % kStages) * 3 + which) * kTile; };
+  auto issue = [&](int64_t chunk) {
+    if (chunk < chunks) {
+      stage(tile_of(chunk, 0), q, chunk * C, L);
+      stage(tile_of(chunk, 1), k, chunk * C, L);
+      stage(tile_of(chunk, 2), v, chunk * C, L);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+
+  // The state: rows e = 16 warp + g (+8), columns m = 8 j + 2 q4 (+1) in state[4 j + ...].
+  float state[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) state[i] = 0.f;
+  // Its bf16 copy, read by the next chunk's Q S: element (e, m) at the staged layout's place.
+  auto publish = [&] {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
+        const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
+                     : "memory");
+      }
+  };
+  publish();
+
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int64_t it = 0; it < chunks; ++it) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
+    fence_async_shared();  // its tiles and the state copy, written by this thread, seen by wgmma
+    __syncthreads();       // ... and by every thread's; the stage chunk it + kStages - 1 fills is free
+    issue(it + kStages - 1);
+    const uint32_t qt = tile_of(it, 0), kt = tile_of(it, 1), vt = tile_of(it, 2);
+
+    float score[32], o[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) score[i] = 0.f, o[i] = 0.f;
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_ss<0, 0>(score, k_along_columns(qt, s), k_along_columns(kt, s));  // Q K^T
+    wgmma_commit();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
+    wgmma_commit();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
+    wgmma_commit();
+    wgmma_wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
+
+    // Causal mask (row t, column s: s <= t), the scores as bf16 A fragments of P V.
+    uint32_t p[4][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
+        if (col > row) score[4 * j + e] = 0.f;
+      }
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      p[s][0] = pack(score[8 * s + 0], score[8 * s + 1]);
+      p[s][1] = pack(score[8 * s + 2], score[8 * s + 3]);
+      p[s][2] = pack(score[8 * s + 4], score[8 * s + 5]);
+      p[s][3] = pack(score[8 * s + 6], score[8 * s + 7]);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
+    wgmma_commit();
+    wgmma_wait<0>();
+
+    // The outputs through this warp's staging rows, 16 bytes a lane, rows below L.
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * q4;
+        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) = pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+      }
+    __syncwarp();
+#pragma unroll
+    for (int i = lane; i < 16 * D / 8; i += 32) {
+      const int row = 16 * warp + i / 8, col = 8 * (i % 8);
+      const int64_t t = it * C + row;
+      if (t < L) *reinterpret_cast<uint4*>(out + t * D + col) = *reinterpret_cast<const uint4*>(out_rows + row * kOutStride + col);
+    }
+    __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
+    publish();        // S after this chunk, for the next
+  }
+}
+
+template <int kStages>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out) {
+  const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
+  const int smem = kStages * 3 * kTile + kTile + 64 * (D + 8) * 2;
+  auto kernel = wgmma_forward_kernel<kStages>;
+  C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<unsigned(pairs), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
+      reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages) {
+  for (const auto& x : {q, k, v}) {
+    TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
+                    x.size(3) == D && x.sizes() == q.sizes(),
+                "the prototype takes contiguous bf16 [B, H, L, 64] q, k, v of one shape");
+  }
+  auto out = torch::empty_like(v);
+  if (stages == 2) {
+    launch<2>(q, k, v, out);
+  } else {
+    TORCH_CHECK(stages == 3, "stages: 2 or 3");
+    launch<3>(q, k, v, out);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }

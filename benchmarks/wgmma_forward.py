@@ -1,0 +1,103 @@
+"""Checks and times the wgmma (sm_90a) forward prototype (benchmarks/wgmma_forward.cu) beside this
+library's default path, its single-segment pass and, when importable, fla's fused_chunk:
+
+    python benchmarks/wgmma_forward.py [--fla] [--shapes "B,H,L;..."]
+
+bf16, E = M = 64, contiguous [B, H, L, 64], scale 1, unnormalized. Correctness first (against
+float64 at a small shape with a partial last chunk, and against this library at each timed
+shape), then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth
+measured here). Run benchmarks/wgmma_probe.py first: it says whether the descriptor encoding the
+prototype assumes (kSwapOffsets = false) holds.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import baselines  # noqa: E402
+import fast_causal_attn  # noqa: E402
+
+
+def load():
+    import torch.utils.cpp_extension
+
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target
+    return torch.utils.cpp_extension.load("wgmma_forward", [os.path.join(HERE, "wgmma_forward.cu")],
+                                          extra_cuda_cflags=["-O3", "-Xptxas", "-v"], verbose=False)
+
+
+def reference(q, k, v):
+    """float64 causal linear attention, [B, H, L, D]."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)).tril()
+    return scores @ v
+
+
+def relative_error(x, exact):
+    return ((x.double() - exact).abs().max() / exact.abs().max()).item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="8,16,2048;4,16,8192;2,4,8192")
+    parser.add_argument("--fla", action="store_true", help="also time fla's fused_chunk (Triton compiles: minutes)")
+    args = parser.parse_args()
+    import triton.testing
+
+    module = load()
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(B, H, L):
+        q, k = (torch.randn(B, H, L, 64, generator=gen) / 8 for _ in range(2))
+        v = torch.randn(B, H, L, 64, generator=gen)
+        return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+
+    q, k, v = inputs(2, 3, 200)  # a partial last chunk
+    exact = reference(q.cpu(), k.cpu(), v.cpu())
+    library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
+    for stages in (2, 3):
+        error = relative_error(module.forward(q, k, v, stages).cpu(), exact)
+        print(f"float64 check, 2,3,200, {stages} stages: relative error {error:.2e} (this library: {library:.2e})")
+
+    buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    copy_ms = triton.testing.do_bench(lambda: buffer.clone(), return_mode="median")
+    bandwidth = 2 * buffer.numel() / (copy_ms * 1e-3)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
+    fla = baselines.fla_linear_attention("cuda") if args.fla else {}
+    for shape in args.shapes.split(";"):
+        B, H, L = (int(x) for x in shape.split(","))
+        q, k, v = inputs(B, H, L)
+        expected = fast_causal_attn.causal_dot_product(q, k, v)
+        floor = 4 * q.numel() * 2 / bandwidth * 1e3
+        cases = {f"wgmma {s} stages": (lambda s=s: module.forward(q, k, v, s)) for s in (2, 3)}
+        cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
+
+        def one_segment():
+            os.environ["FAST_CAUSAL_ATTN_SEGMENTS"] = "1"
+            try:
+                return fast_causal_attn.causal_dot_product(q, k, v)
+            finally:
+                del os.environ["FAST_CAUSAL_ATTN_SEGMENTS"]
+
+        cases["fast_causal_attn 1 segment"] = one_segment
+        blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
+        for name, fn in fla.items():
+            if "fused" in name:
+                cases[name] = lambda fn=fn: fn(*blhd)
+        for name, fn in cases.items():
+            if name.startswith("wgmma"):
+                error = relative_error(fn(), expected.double())
+                check = f"vs this library {error:.1e}"
+            else:
+                check = ""
+            ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
+            print(f"{B},{H},{L},64 {name:28} {ms:8.4f} ms  {ms / floor:4.1f}x floor ({floor:.4f})  {check}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
