@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "wgmma.cuh"
+
 namespace {
 
 constexpr int C = 64;           // timesteps a chunk
@@ -29,61 +31,13 @@ constexpr int D = 64;           // E = M
 constexpr int kTile = C * D * 2;  // bytes of a 64 x 64 bf16 tile
 constexpr bool kSwapOffsets = false;
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-// A wgmma operand descriptor, no swizzle: core matrices k_bytes apart along K, mn_bytes along M/N.
+// A wgmma operand, no swizzle: core matrices k_bytes apart along K, mn_bytes along M/N.
 __device__ __forceinline__ uint64_t operand(uint32_t address, uint32_t k_bytes, uint32_t mn_bytes) {
-  const uint32_t leading = kSwapOffsets ? mn_bytes : k_bytes, stride = kSwapOffsets ? k_bytes : mn_bytes;
-  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((leading & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((stride & 0x3FFFF) >> 4) << 32);
+  return kSwapOffsets ? wgmma::descriptor(address, mn_bytes, k_bytes) : wgmma::descriptor(address, k_bytes, mn_bytes);
 }
 // Operand views of a staged tile (rows r, columns c, see above), for k16 step s.
 __device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return operand(tile + 256 * s, 128, 1024); }
 __device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return operand(tile + 2048 * s, 1024, 128); }
-
-#define FCA_D32(d)                                                                                               \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FCA_D32_LIST                                                                                        \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-
-// d (64 x 64 float32, mma.sync's accumulator layout per warp) += A B^T; kTransA / kTransB: the
-// operand is MN-major in shared memory.
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FCA_D32_LIST
-      ", %32, %33, p, 1, 1, %35, %36;\n}\n"
-      : FCA_D32(d)
-      : "l"(a), "l"(b), "r"(1), "n"(kTransA), "n"(kTransB));
-}
-// The same with A from registers (mma.sync's m16n8k16 A fragment, each warp its 16 rows).
-template <int kTransB>
-__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FCA_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : FCA_D32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
-}
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
-}
-// Shared-memory writes of this thread (generic proxy), made visible to the wgmma (async proxy).
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-__device__ __forceinline__ uint32_t pack(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 
 __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
@@ -108,7 +62,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   extern __shared__ __align__(1024) unsigned char smem[];
   // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile: rows e, columns m), then the
   // outputs' staging rows ([64][72] bf16).
-  const uint32_t base = smem_u32(smem);
+  const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 3 * kTile;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 3 * kTile + kTile);
   constexpr int kOutStride = D + 8;
@@ -140,7 +94,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
       for (int h = 0; h < 2; ++h) {
         const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
         const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(wgmma::pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
                      : "memory");
       }
   };
@@ -149,7 +103,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int64_t it = 0; it < chunks; ++it) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
-    fence_async_shared();  // its tiles and the state copy, written by this thread, seen by wgmma
+    wgmma::fence_shared_writes();  // its tiles and the state copy, written by this thread, seen by wgmma
     __syncthreads();       // ... and by every thread's; the stage chunk it + kStages - 1 fills is free
     issue(it + kStages - 1);
     const uint32_t qt = tile_of(it, 0), kt = tile_of(it, 1), vt = tile_of(it, 2);
@@ -157,17 +111,17 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     float score[32], o[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) score[i] = 0.f, o[i] = 0.f;
-    wgmma_fence();
+    wgmma::fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<0, 0>(score, k_along_columns(qt, s), k_along_columns(kt, s));  // Q K^T
-    wgmma_commit();
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(score, k_along_columns(qt, s), k_along_columns(kt, s));  // Q K^T
+    wgmma::commit();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
-    wgmma_commit();
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
+    wgmma::commit();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
-    wgmma_commit();
-    wgmma_wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
+    wgmma::commit();
+    wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
 
     // Causal mask (row t, column s: s <= t), the scores as bf16 A fragments of P V.
     uint32_t p[4][4];
@@ -180,16 +134,16 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
       }
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      p[s][0] = pack(score[8 * s + 0], score[8 * s + 1]);
-      p[s][1] = pack(score[8 * s + 2], score[8 * s + 3]);
-      p[s][2] = pack(score[8 * s + 4], score[8 * s + 5]);
-      p[s][3] = pack(score[8 * s + 6], score[8 * s + 7]);
+      p[s][0] = wgmma::pack(score[8 * s + 0], score[8 * s + 1]);
+      p[s][1] = wgmma::pack(score[8 * s + 2], score[8 * s + 3]);
+      p[s][2] = wgmma::pack(score[8 * s + 4], score[8 * s + 5]);
+      p[s][3] = wgmma::pack(score[8 * s + 6], score[8 * s + 7]);
     }
-    wgmma_fence();
+    wgmma::fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
-    wgmma_commit();
-    wgmma_wait<0>();
+    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
+    wgmma::commit();
+    wgmma::wait<0>();
 
     // The outputs through this warp's staging rows, 16 bytes a lane, rows below L.
 #pragma unroll
@@ -197,7 +151,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) = pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) = wgmma::pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
       }
     __syncwarp();
 #pragma unroll
