@@ -12,7 +12,7 @@
 // (r % 8) 16 + (c % 8) 2 bytes, no swizzle: 8 x 16-byte core matrices, 128 bytes apart along c and
 // 1024 along r. Along c is K for Q and K as score operands, along r is K for K and V in K^T V and
 // for V in P V (MN-major operands). The descriptor encoding (which offset is "leading") follows
-// the PTX ISA; benchmarks/wgmma_probe.py checks it on the GPU (kSwapOffsets flips it).
+// the PTX ISA, or the other way round (kSwapOffsets); benchmarks/wgmma_probe.py checks both.
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -29,7 +29,12 @@ namespace {
 constexpr int C = 64;           // timesteps a chunk
 constexpr int D = 64;           // E = M
 constexpr int kTile = C * D * 2;  // bytes of a 64 x 64 bf16 tile
-constexpr bool kSwapOffsets = false;
+// The descriptor's offsets in the PTX ISA's order (leading: along K), or swapped when built with
+// -DWGMMA_SWAP_OFFSETS=1 (benchmarks/wgmma_forward.py builds both and keeps what checks out).
+#ifndef WGMMA_SWAP_OFFSETS
+#define WGMMA_SWAP_OFFSETS 0
+#endif
+constexpr bool kSwapOffsets = WGMMA_SWAP_OFFSETS != 0;
 
 // A wgmma operand, no swizzle: core matrices k_bytes apart along K, mn_bytes along M/N.
 __device__ __forceinline__ uint64_t operand(uint32_t address, uint32_t k_bytes, uint32_t mn_bytes) {
