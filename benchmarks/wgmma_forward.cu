@@ -1,7 +1,9 @@
 // A prototype of the chunked forward on wgmma (sm_90a), to measure before any port (issue 5:
 // "wgmma on sm_90a if it pays"): bf16, E = M = 64, contiguous [B, H, L, 64], scale 1, no
-// normalize, no states, one block (one warpgroup) a (batch, head) walking all of L, as
-// flash-linear-attention's fused_chunk does. Per chunk of 64 timesteps:
+// normalize, no states; one block (one warpgroup) a (batch, head) walking all of L, as
+// flash-linear-attention's fused_chunk does, or a (batch, head, time segment) as this library's
+// segmented launches do (each segment's K^T V first, scanned, then the outputs from each
+// segment's start). Per chunk of 64 timesteps:
 //
 //   scores = Q K^T (shared x shared), O = Q S (shared x shared, S's bf16 copy),
 //   S += K^T V (shared x shared, float32 in registers), O += mask(scores) V (registers x shared)
@@ -20,6 +22,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "wgmma.cuh"
@@ -61,9 +64,13 @@ __device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int
   }
 }
 
-template <int kStages>
+// One block a (batch, head, time segment): timesteps [segment segment_len, + segment_len) of L.
+// kStateOnly: the segment's own K^T V only, written to states[block] (float32 [64][64], rows e);
+// otherwise the outputs, starting from states[block] (the segments before, scanned) when given.
+template <int kStages, bool kStateOnly>
 __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                            const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L) {
+                                                            const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L,
+                                                            int64_t segments, int64_t segment_len, float* states) {
   extern __shared__ __align__(1024) unsigned char smem[];
   // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile: rows e, columns m), then the
   // outputs' staging rows ([64][72] bf16).
@@ -73,24 +80,32 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   constexpr int kOutStride = D + 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
-  const int64_t offset = int64_t(blockIdx.x) * L * D;
+  const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
+  const int64_t end = begin + segment_len < L ? begin + segment_len : L;  // this segment's timesteps
+  const int64_t offset = pair * L * D;
   q += offset, k += offset, v += offset, out += offset;
-  const int64_t chunks = (L + C - 1) / C;
+  const int64_t chunks = end > begin ? (end - begin + C - 1) / C : 0;
 
   auto tile_of = [&](int64_t chunk, int which) { return base + uint32_t((chunk % kStages) * 3 + which) * kTile; };
   auto issue = [&](int64_t chunk) {
     if (chunk < chunks) {
-      stage(tile_of(chunk, 0), q, chunk * C, L);
-      stage(tile_of(chunk, 1), k, chunk * C, L);
-      stage(tile_of(chunk, 2), v, chunk * C, L);
+      if (!kStateOnly) stage(tile_of(chunk, 0), q, begin + chunk * C, end);
+      stage(tile_of(chunk, 1), k, begin + chunk * C, end);
+      stage(tile_of(chunk, 2), v, begin + chunk * C, end);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
   // The state: rows e = 16 warp + g (+8), columns m = 8 j + 2 q4 (+1) in state[4 j + ...].
   float state[32];
+  float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
 #pragma unroll
-  for (int i = 0; i < 32; ++i) state[i] = 0.f;
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
+      state[4 * j + e] = !kStateOnly && slot != nullptr ? slot[row * D + col] : 0.f;
+    }
   // Its bf16 copy, read by the next chunk's Q S: element (e, m) at the staged layout's place.
   auto publish = [&] {
 #pragma unroll
@@ -99,19 +114,28 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
       for (int h = 0; h < 2; ++h) {
         const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
         const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(wgmma::pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                     "r"(wgmma::pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
                      : "memory");
       }
   };
-  publish();
+  if (!kStateOnly) publish();
 
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int64_t it = 0; it < chunks; ++it) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
     wgmma::fence_shared_writes();  // its tiles and the state copy, written by this thread, seen by wgmma
-    __syncthreads();       // ... and by every thread's; the stage chunk it + kStages - 1 fills is free
+    __syncthreads();               // ... and by every thread's; the stage chunk it + kStages - 1 fills is free
     issue(it + kStages - 1);
     const uint32_t qt = tile_of(it, 0), kt = tile_of(it, 1), vt = tile_of(it, 2);
+    if constexpr (kStateOnly) {
+      wgmma::fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
+      wgmma::commit();
+      wgmma::wait<0>();
+      continue;
+    }
 
     float score[32], o[32];
 #pragma unroll
@@ -150,50 +174,83 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::commit();
     wgmma::wait<0>();
 
-    // The outputs through this warp's staging rows, 16 bytes a lane, rows below L.
+    // The outputs through this warp's staging rows, 16 bytes a lane, rows before the segment's end.
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) = wgmma::pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) =
+            wgmma::pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
       }
     __syncwarp();
 #pragma unroll
     for (int i = lane; i < 16 * D / 8; i += 32) {
       const int row = 16 * warp + i / 8, col = 8 * (i % 8);
-      const int64_t t = it * C + row;
-      if (t < L) *reinterpret_cast<uint4*>(out + t * D + col) = *reinterpret_cast<const uint4*>(out_rows + row * kOutStride + col);
+      const int64_t t = begin + it * C + row;
+      if (t < end) {
+        const uint4 piece = *reinterpret_cast<const uint4*>(out_rows + row * kOutStride + col);
+        *reinterpret_cast<uint4*>(out + t * D + col) = piece;
+      }
     }
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
+  if constexpr (kStateOnly) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] = state[4 * j + e];
+      }
+  }
 }
 
-template <int kStages>
-void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out) {
+template <int kStages, bool kStateOnly>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+            int64_t segments, int64_t segment_len, float* states) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int smem = kStages * 3 * kTile + kTile + 64 * (D + 8) * 2;
-  auto kernel = wgmma_forward_kernel<kStages>;
+  auto kernel = wgmma_forward_kernel<kStages, kStateOnly>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(pairs), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
-      reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L);
+      reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
+      segments, segment_len, states);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages) {
+// segments > 1: each segment's K^T V first (state-only launch), scanned (exclusive, torch's
+// cumsum), then every segment's outputs from its start state.
+template <int kStages>
+void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
+         int64_t segments) {
+  const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
+  const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
+  segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
+  if (segments == 1) {
+    launch<kStages, false>(q, k, v, out, 1, L, nullptr);
+    return;
+  }
+  auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
+  launch<kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
+  auto starts = (sums.cumsum(1) - sums).contiguous();
+  launch<kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
+}
+
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
                 "the prototype takes contiguous bf16 [B, H, L, 64] q, k, v of one shape");
   }
+  TORCH_CHECK(segments >= 1, "segments >= 1");
   auto out = torch::empty_like(v);
   if (stages == 2) {
-    launch<2>(q, k, v, out);
+    run<2>(q, k, v, out, segments);
   } else {
     TORCH_CHECK(stages == 3, "stages: 2 or 3");
-    launch<3>(q, k, v, out);
+    run<3>(q, k, v, out, segments);
   }
   return out;
 }
