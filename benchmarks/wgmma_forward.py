@@ -21,16 +21,13 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import baselines  # noqa: E402
 import fast_causal_attn  # noqa: E402
+from wgmma_probe import build_sm90a  # noqa: E402
 
 
 def load(swap_offsets):
     """The prototype built with the descriptor offsets in the PTX ISA's order, or swapped."""
-    import torch.utils.cpp_extension
-
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target
-    return torch.utils.cpp_extension.load(
-        f"wgmma_forward_swap{int(swap_offsets)}", [os.path.join(HERE, "wgmma_forward.cu")],
-        extra_cuda_cflags=["-O3", f"-DWGMMA_SWAP_OFFSETS={int(swap_offsets)}"], verbose=False)
+    return build_sm90a(f"wgmma_forward_swap{int(swap_offsets)}", "wgmma_forward.cu",
+                       [f"-DWGMMA_SWAP_OFFSETS={int(swap_offsets)}"])
 
 
 def reference(q, k, v):

@@ -28,13 +28,18 @@ VARIANTS = {
 STORAGES = [(128, 1024), (1024, 128)]
 
 
-def load():
+def build_sm90a(name, source, flags=()):
+    """benchmarks/<source> JIT-built for sm_90a (wgmma needs the arch-specific target) as module name."""
     import torch.utils.cpp_extension
 
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
     here = os.path.dirname(os.path.abspath(__file__))
-    return torch.utils.cpp_extension.load("wgmma_probe", [os.path.join(here, "wgmma_probe.cu")],
-                                          extra_cuda_cflags=["-O2"], verbose=False)
+    return torch.utils.cpp_extension.load(name, [os.path.join(here, source)], extra_cuda_cflags=["-O3", *flags],
+                                          verbose=False)
+
+
+def load():
+    return build_sm90a("wgmma_probe", "wgmma_probe.cu")
 
 
 def run_variant(variant):
