@@ -10,6 +10,7 @@
 #   STAGES="build profile" PROFILE="8 16 2048 64 64 fwd bfloat16" ...  # ncu of the tensor-core kernels
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
+#   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
 #   STAGES="wgmma" ...          # which shared-memory layouts wgmma takes (benchmarks/wgmma_probe.py),
 #                               # then the wgmma forward prototype checked and timed (wgmma_forward.py)
 #
@@ -53,7 +54,8 @@ save_triton_cache() {
 # the bench stage finds them cached.
 warm_pid=""
 if has bench && [[ " ${BENCH_ARGS:-} " != *" --no-peers "* ]]; then
-  python benchmarks/benchmark.py --warm-peers ${BENCH_ARGS:-} >"$OUT/warm_peers.log" 2>&1 &
+  # at most WARM_LIMIT seconds (what compiled by then stays in the cache)
+  timeout "${WARM_LIMIT:-300}" python benchmarks/benchmark.py --warm-peers ${BENCH_ARGS:-} >"$OUT/warm_peers.log" 2>&1 &
   warm_pid=$!
 fi
 
@@ -79,7 +81,7 @@ fi
 if has sanitize; then
   # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
   sanitize() {
-    for tool in memcheck racecheck; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$2" \
         -p no:cacheprovider >"$OUT/sanitize_$1_$tool.log" 2>&1
       rc=$?
@@ -111,13 +113,17 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
   done
 fi
 
+if has host; then  # the host's time to issue a call, by op and CUDA runtime call
+  python benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_profile.log"
+fi
+
 if has wgmma; then  # the layouts a wgmma port needs (sm_90a), each checked against float64
   python benchmarks/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log"
   python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log"
 fi
 
 if has bench; then
-  [[ -n "$warm_pid" ]] && wait "$warm_pid" && save_triton_cache
+  [[ -n "$warm_pid" ]] && { wait "$warm_pid"; save_triton_cache; }
   python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
   save_triton_cache
 fi

@@ -1,0 +1,77 @@
+"""Where the host's time to issue one call goes: the CPU side of torch's profiler over calls of
+the public API, by op and by CUDA runtime call (launches, attribute sets, allocations), per call.
+
+    python benchmarks/host_profile.py                       # the issue's bf16 shapes, fwd+bwd
+    python benchmarks/host_profile.py --shapes "2,4,8192,64,64" --dtype float32 --top 25
+
+Beside benchmark.py --kernel-time ("host per call" against "GPU busy per call") it tells which
+host work to cut when a call is bound by it. Each section times `iters` calls back to back (the
+GPU not waited for) without the profiler, then lists the profiled calls' CPU events.
+"""
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import fast_causal_attn
+
+SHAPES = "8,16,2048,64,64;4,16,8192,64,64;8,16,2048,128,128;2,4,8192,64,64;1,16,32768,128,128"
+
+
+def issue_ms(fn, iters):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e3
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default=SHAPES, help='"B,H,L,E,M;..."')
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    for shape in args.shapes.split(";"):
+        B, H, L, E, M = (int(x) for x in shape.split(","))
+        q = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
+        k = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
+        v = torch.randn(B, H, L, M, device="cuda").to(dtype)
+        dout = torch.randn_like(v)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+        def forward():
+            with torch.no_grad():
+                return fast_causal_attn.causal_dot_product(q, k, v)
+
+        def forward_with_graph():
+            return fast_causal_attn.causal_dot_product(*leaves)
+
+        def forward_backward():
+            return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves), leaves, dout)
+
+        print(f"\n{args.dtype} {B},{H},{L},{E},{M}: host ms per call: forward "
+              f"{issue_ms(forward, args.iters):.3f}, forward with autograd {issue_ms(forward_with_graph, args.iters):.3f}, "
+              f"forward+backward {issue_ms(forward_backward, args.iters):.3f}")
+        forward_backward()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.iters):
+                forward_backward()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+        print(f"  {'self us/call':>12} {'total us/call':>13} {'calls/call':>10}  CPU event (forward+backward, profiled)")
+        for e in events[: args.top]:
+            print(f"  {e.self_cpu_time_total / args.iters:12.1f} {e.cpu_time_total / args.iters:13.1f} "
+                  f"{e.count / args.iters:10.1f}  {e.key[:90]}")
+
+
+if __name__ == "__main__":
+    main()
