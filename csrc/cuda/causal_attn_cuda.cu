@@ -1,6 +1,10 @@
 // CUDA backend: the launchers behind the ops and their registration for CUDA tensors.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,11 +18,31 @@
 namespace fast_causal_attn {
 namespace cuda {
 
+// The current device's multiprocessor count, asked once per device (launchers ask every call).
 int multiprocessor_count() {
-  int device = 0, sms = 0;
+  static std::atomic<int> asked[64] = {};  // 0: not asked yet
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = asked[device % 64].load(std::memory_order_relaxed);
+  if (sms == 0 || device >= 64) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    if (device < 64) asked[device].store(sms, std::memory_order_relaxed);
+  }
   return sms;
+}
+
+void allow_dynamic_smem(const void* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;  // the default limit
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, size_t> raised;  // (device, kernel) -> limit set
+  std::lock_guard<std::mutex> lock(mutex);
+  size_t& limit = raised[{device, kernel}];
+  if (limit < bytes) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    limit = bytes;
+  }
 }
 
 int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len) {

@@ -424,9 +424,7 @@ void launch_chunked(const KernelParams& params, int64_t Da, int64_t Dc, cudaStre
 
   auto kernel = chunked_product_kernel<P, scalar_t, DA, C>;
   const size_t smem = chunked::bytes<acc_t, DA, C>();
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  }
+  allow_dynamic_smem(kernel, smem);
   int resident = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, chunked::kThreads, smem));
   // Segments only while the launch fills less than half of what the device holds: at

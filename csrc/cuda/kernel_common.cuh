@@ -226,24 +226,42 @@ int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_
 
 // The workspace of a segmented launch: each segment's state sum_s b[s] c[s]^T, and its sums of b
 // (forward normalize) and of extra_b * c (gradients under normalize). Sets p's segments,
-// segment_len (a multiple of step) and workspace pointers; the tensors own the memory.
+// segment_len (a multiple of step) and workspace pointers. One allocation holds the three regions
+// (each 16-byte aligned, for the scan's vector loads), none with one segment: every allocation is
+// host time on each call, which small shapes' forward+backward is bound by.
 struct SegmentWorkspace {
-  at::Tensor state, key_sum, extra;
+  struct Region {
+    void* data = nullptr;
+    int64_t numel = 0;
+  };
+  at::Tensor buffer;  // owns the regions' memory; undefined with one segment
+  Region state, key_sum, extra;
+  at::ScalarType dtype = at::kFloat;
 
   template <Pass P, typename acc_t>
   static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc) {
     p.segment_len = ((p.L + segments - 1) / segments + step - 1) / step * step;
     p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
     SegmentWorkspace w;
+    w.dtype = c10::CppTypeToScalarType<acc_t>::value;
     if (p.segments > 1) {
-      const auto options = at::TensorOptions().dtype(c10::CppTypeToScalarType<acc_t>::value).device(at::kCUDA);
       const int64_t n = p.num_seqs * p.H * p.segments;
-      w.state = at::empty({n * Da * Dc}, options);
-      w.key_sum = at::empty({P == Pass::Forward && (p.normalize || p.end_vector) ? n * Da : 0}, options);
-      w.extra = at::empty({P != Pass::Forward && p.normalize ? n * Dc : 0}, options);
-      p.seg_state = w.state.data_ptr();
-      p.seg_key_sum = w.key_sum.data_ptr();
-      p.seg_extra = w.extra.data_ptr();
+      Region* regions[3] = {&w.state, &w.key_sum, &w.extra};
+      const int64_t sizes[3] = {n * Da * Dc, P == Pass::Forward && (p.normalize || p.end_vector) ? n * Da : 0,
+                                P != Pass::Forward && p.normalize ? n * Dc : 0};
+      constexpr int64_t kAlign = 16 / sizeof(acc_t);
+      auto padded = [](int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
+      w.buffer = at::empty({padded(sizes[0]) + padded(sizes[1]) + padded(sizes[2])},
+                           at::TensorOptions().dtype(w.dtype).device(at::kCUDA));
+      acc_t* next = w.buffer.data_ptr<acc_t>();
+      for (int i = 0; i < 3; ++i) {
+        regions[i]->numel = sizes[i];
+        regions[i]->data = sizes[i] > 0 ? next : nullptr;
+        next += padded(sizes[i]);
+      }
+      p.seg_state = w.state.data;
+      p.seg_key_sum = w.key_sum.data;
+      p.seg_extra = w.extra.data;
     }
     return w;
   }
@@ -354,19 +372,28 @@ __global__ void scan_segments_kernel(acc_t* data, int64_t pairs, int64_t segment
 }
 
 template <typename acc_t>
-void scan_segments(const at::Tensor& sums, int64_t pairs, int64_t segments, bool reverse, cudaStream_t stream) {
-  if (sums.numel() == 0) return;
-  const int64_t width = sums.numel() / (pairs * segments);
+void scan_segments(acc_t* sums, int64_t numel, int64_t pairs, int64_t segments, bool reverse, cudaStream_t stream) {
+  if (numel == 0) return;
+  const int64_t width = numel / (pairs * segments);
   constexpr int kVec = 16 / sizeof(acc_t);  // 16 bytes a load where a segment is whole vectors
-  const bool vectors = width % kVec == 0 && reinterpret_cast<uintptr_t>(sums.data_ptr()) % 16 == 0;
+  const bool vectors = width % kVec == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
   const int64_t threads = pairs * (vectors ? width / kVec : width);
   const unsigned blocks = unsigned((threads + 255) / 256);
   if (vectors) {
-    scan_segments_kernel<acc_t, kVec><<<blocks, 256, 0, stream>>>(sums.data_ptr<acc_t>(), pairs, segments, width, reverse);
+    scan_segments_kernel<acc_t, kVec><<<blocks, 256, 0, stream>>>(sums, pairs, segments, width, reverse);
   } else {
-    scan_segments_kernel<acc_t, 1><<<blocks, 256, 0, stream>>>(sums.data_ptr<acc_t>(), pairs, segments, width, reverse);
+    scan_segments_kernel<acc_t, 1><<<blocks, 256, 0, stream>>>(sums, pairs, segments, width, reverse);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Raises `kernel`'s dynamic shared-memory limit to at least `bytes` where that is above the 48 KB
+// default, once per kernel and device (causal_attn_cuda.cu): the attribute call costs host time,
+// which small shapes' calls are bound by, and a raised limit holds for every later launch.
+void allow_dynamic_smem(const void* kernel, size_t bytes);
+template <typename Kernel>
+void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
 }
 
 // Launches a segmented pass: with more than one segment, first the state-only launch that sums
@@ -376,9 +403,7 @@ template <Pass P, typename Kernel>
 void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
                       int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  }
+  allow_dynamic_smem(kernel, smem);
   if (p.segments > 1) {
     KernelParams sums = p;
     sums.state_only = true;
@@ -386,11 +411,11 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
     kernel<<<dim3(unsigned(sum_blocks)), dim3(threads), smem, stream>>>(sums, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t pairs = p.num_seqs * p.H;
-    for (const at::Tensor* t : {&workspace.state, &workspace.key_sum, &workspace.extra}) {
-      if (t->scalar_type() == at::kDouble) {
-        scan_segments<double>(*t, pairs, p.segments, PassTraits<P>::kReverse, stream);
+    for (const SegmentWorkspace::Region& r : {workspace.state, workspace.key_sum, workspace.extra}) {
+      if (workspace.dtype == at::kDouble) {
+        scan_segments(static_cast<double*>(r.data), r.numel, pairs, p.segments, PassTraits<P>::kReverse, stream);
       } else {
-        scan_segments<float>(*t, pairs, p.segments, PassTraits<P>::kReverse, stream);
+        scan_segments(static_cast<float*>(r.data), r.numel, pairs, p.segments, PassTraits<P>::kReverse, stream);
       }
     }
   }

@@ -639,9 +639,7 @@ void launch_recurrent_grad_kv(const KernelParams& p, cudaStream_t stream) {
   static_assert(smem <= 227 * 1024, "fits a multiprocessor");
   const int64_t pairs = p.B * p.H;
   TORCH_CHECK(pairs <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head) pairs: ", pairs);
-  if (smem > 48 * 1024) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  }
+  allow_dynamic_smem(kernel, smem);
   kernel<<<dim3(unsigned(pairs)), dim3(GROUPS * kWarp), smem, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

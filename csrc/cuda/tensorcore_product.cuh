@@ -874,17 +874,14 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
   // Blocks a multiprocessor holds with one or two buffers: the kernel's and the device's
-  // property, asked once per device (a call costs microseconds of host time, every launch). The
-  // kernel's shared-memory limit is raised for the question here and set for the launch by
-  // launch_segmented.
+  // property, asked once per device (a call costs microseconds of host time, every launch).
   static int asked[64][2] = {};  // 0: not asked yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   auto resident_with = [&](int buffers) {
     int& blocks = asked[device % 64][buffers - 1];
     if (blocks == 0) {
-      const int limit = int(std::max<size_t>(S::bytes(buffers), 48 * 1024));  // never below the default
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+      allow_dynamic_smem(kernel, S::bytes(buffers));
       C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, S::bytes(buffers)));
       blocks = std::max(blocks, 1);
     }
