@@ -9,25 +9,14 @@ host work to cut when a call is bound by it. Each section times `iters` calls ba
 GPU not waited for) without the profiler, then lists the profiled calls' CPU events.
 """
 import argparse
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fast_causal_attn
+from benchmark import host_ms, make_case
 
 SHAPES = "8,16,2048,64,64;4,16,8192,64,64;8,16,2048,128,128;2,4,8192,64,64;1,16,32768,128,128"
-
-
-def issue_ms(fn, iters):
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e3
 
 
 def main():
@@ -40,10 +29,7 @@ def main():
     dtype = getattr(torch, args.dtype)
     for shape in args.shapes.split(";"):
         B, H, L, E, M = (int(x) for x in shape.split(","))
-        q = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
-        k = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
-        v = torch.randn(B, H, L, M, device="cuda").to(dtype)
-        dout = torch.randn_like(v)
+        q, k, v, dout = make_case(B, H, L, E, M, dtype, "cuda")
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
 
         def forward():
@@ -57,8 +43,8 @@ def main():
             return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves), leaves, dout)
 
         print(f"\n{args.dtype} {B},{H},{L},{E},{M}: host ms per call: forward "
-              f"{issue_ms(forward, args.iters):.3f}, forward with autograd {issue_ms(forward_with_graph, args.iters):.3f}, "
-              f"forward+backward {issue_ms(forward_backward, args.iters):.3f}")
+              f"{host_ms(forward, args.iters):.3f}, forward with autograd {host_ms(forward_with_graph, args.iters):.3f}, "
+              f"forward+backward {host_ms(forward_backward, args.iters):.3f}")
         forward_backward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
