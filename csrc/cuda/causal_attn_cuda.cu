@@ -18,13 +18,14 @@
 namespace fast_causal_attn {
 namespace cuda {
 
-// The current device's multiprocessor count, asked once per device (launchers ask every call).
+// The current device's multiprocessor count, asked once per device (launchers ask every call;
+// devices past the first 64 are asked each time).
 int multiprocessor_count() {
   static std::atomic<int> asked[64] = {};  // 0: not asked yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  int sms = asked[device % 64].load(std::memory_order_relaxed);
-  if (sms == 0 || device >= 64) {
+  int sms = device < 64 ? asked[device].load(std::memory_order_relaxed) : 0;
+  if (sms == 0) {
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     if (device < 64) asked[device].store(sms, std::memory_order_relaxed);
   }
