@@ -92,6 +92,25 @@ def timings(fn, q, k, v, dout, device, reps):
     return median_ms(forward, device, reps), median_ms(forward_backward, device, reps)
 
 
+def float64_results(q, k, v, dout):
+    """The output and the gradients of q, k and v in float64 for these (rounded) inputs: plain
+    PyTorch's chunked form, an independent implementation, on the inputs' device."""
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    out = baselines.torch_chunked(*leaves)
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
+
+
+def relative_errors(fn, q, k, v, dout, exact, blhd=False):
+    """Norm-wise relative errors ||x - exact|| / ||exact|| (the tests' measure) of fn's output and
+    of its gradients of q, k and v; `blhd`: fn takes and returns [B, L, H, D]."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    results = [out, *torch.autograd.grad(out, leaves, dout)]
+    if blhd:
+        results = [x.transpose(1, 2) for x in results]
+    return [((x.double() - r).norm() / r.norm()).item() for x, r in zip(results, exact)]
+
+
 def kernel_breakdown(fn, iters=20):
     """The device time of one fn() call (ms, every kernel, copy and fill summed, from torch's
     profiler) and its parts [(ms, launches, name)], largest first. Beside a do_bench median, it
@@ -145,6 +164,9 @@ def main():
                         help="on CUDA, also profile each of this library's methods: the GPU's busy time per call, "
                              "its kernels and the host's time to issue the call (host work and launch gaps are "
                              "the rest of the median)")
+    parser.add_argument("--accuracy", action="store_true",
+                        help="also each method's relative error (output, dq, dk, dv) against float64 on the same "
+                             "rounded inputs (issue 5: bf16 <= 2.3e-3, fp32 <= 1e-5)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -219,6 +241,7 @@ def main():
             if args.methods:
                 cases = {name: fn for name, fn in cases.items() if any(m in name for m in args.methods.split(","))}
             blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v, dout)] if fla else None
+            exact = float64_results(q, k, v, dout) if args.accuracy and not args.warm_peers else None
             if args.warm_peers:  # gpu_check.sh runs this beside the build and tests, so that timing finds them compiled
                 for name, fn in cases.items():
                     if name in fla or name == "fast-transformers":
@@ -236,6 +259,7 @@ def main():
                 try:
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
+                    errors = relative_errors(fn, *inputs, exact, blhd=name in fla) if exact else None
                 finally:
                     for variable in families.get(name, {}):
                         os.environ.pop(variable, None)
@@ -244,6 +268,10 @@ def main():
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
                       f"{floor[0]:9.3f} / {floor[1]:.3f} {fwd / floor[0]:5.1f} / {fwd_bwd / floor[1]:4.1f}", flush=True)
+                if errors:
+                    rows[-1].update(zip(("error_out", "error_dq", "error_dk", "error_dv"), errors))
+                    print(f"{'':34} relative error vs float64: out {errors[0]:.2e}, dq {errors[1]:.2e}, "
+                          f"dk {errors[2]:.2e}, dv {errors[3]:.2e}", flush=True)
                 if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
                     os.environ.update(families.get(name, {}))
                     try:
