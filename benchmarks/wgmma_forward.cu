@@ -15,6 +15,7 @@
 // 1024 along r. Along c is K for Q and K as score operands, along r is K for K and V in K^T V and
 // for V in P V (MN-major operands). The descriptor encoding (which offset is "leading") follows
 // the PTX ISA, or the other way round (kSwapOffsets); benchmarks/wgmma_probe.py checks both.
+// wgmma_forward2_kernel below does the same with two warpgroups a block and chunks of 128.
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -54,13 +55,39 @@ __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool vali
 // Rows [t0, t0 + 64) of a [L, 64] bf16 array into a staged tile, zeros past L: thread i copies
 // 16-byte pieces i, i + 128, ...: piece p is row 8 (p / 64) + p % 8, columns 8 ((p % 64) / 8) ..,
 // at byte 16 p of the tile, so that a warp writes 512 consecutive bytes.
-__device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int64_t t0, int64_t L) {
+// `thread`: this thread's index in the 128 that stage the tile.
+__device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int64_t t0, int64_t L, int thread) {
 #pragma unroll
   for (int i = 0; i < C * D / 8 / 128; ++i) {
-    const int piece = threadIdx.x + 128 * i;
+    const int piece = thread + 128 * i;
     const int row = 8 * (piece / 64) + piece % 8, col = 8 * ((piece % 64) / 8);
     const bool inside = t0 + row < L;
     copy_16(tile + 16 * piece, inside ? x + (t0 + row) * D + col : x, inside);
+  }
+}
+
+// A warpgroup's 64 x 64 accumulator (warp w rows 16 w + g (+8), as the state) to out's rows
+// t0 .., through this warp's 16 staging rows ([64][D + 8] bf16 a warpgroup), 16 bytes a lane;
+// rows at or past `end` are not written.
+__device__ __forceinline__ void write_rows(const float (&o)[32], __nv_bfloat16* staging, __nv_bfloat16* out,
+                                           int64_t t0, int64_t end) {
+  constexpr int kStride = D + 8;
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, q4 = lane % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * q4;
+      *reinterpret_cast<uint32_t*>(staging + row * kStride + col) = wgmma::pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * D / 8; i += 32) {
+    const int row = 16 * warp + i / 8, col = 8 * (i % 8);
+    if (t0 + row < end) {
+      const uint4 piece = *reinterpret_cast<const uint4*>(staging + row * kStride + col);
+      *reinterpret_cast<uint4*>(out + (t0 + row) * D + col) = piece;
+    }
   }
 }
 
@@ -77,7 +104,6 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 3 * kTile;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 3 * kTile + kTile);
-  constexpr int kOutStride = D + 8;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
   const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
@@ -89,9 +115,9 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   auto tile_of = [&](int64_t chunk, int which) { return base + uint32_t((chunk % kStages) * 3 + which) * kTile; };
   auto issue = [&](int64_t chunk) {
     if (chunk < chunks) {
-      if (!kStateOnly) stage(tile_of(chunk, 0), q, begin + chunk * C, end);
-      stage(tile_of(chunk, 1), k, begin + chunk * C, end);
-      stage(tile_of(chunk, 2), v, begin + chunk * C, end);
+      if (!kStateOnly) stage(tile_of(chunk, 0), q, begin + chunk * C, end, threadIdx.x);
+      stage(tile_of(chunk, 1), k, begin + chunk * C, end, threadIdx.x);
+      stage(tile_of(chunk, 2), v, begin + chunk * C, end, threadIdx.x);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
@@ -174,25 +200,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::commit();
     wgmma::wait<0>();
 
-    // The outputs through this warp's staging rows, 16 bytes a lane, rows before the segment's end.
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h, col = 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + col) =
-            wgmma::pack(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
-      }
-    __syncwarp();
-#pragma unroll
-    for (int i = lane; i < 16 * D / 8; i += 32) {
-      const int row = 16 * warp + i / 8, col = 8 * (i % 8);
-      const int64_t t = begin + it * C + row;
-      if (t < end) {
-        const uint4 piece = *reinterpret_cast<const uint4*>(out_rows + row * kOutStride + col);
-        *reinterpret_cast<uint4*>(out + t * D + col) = piece;
-      }
-    }
+    write_rows(o, out_rows, out, begin + it * C, end);
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
@@ -206,14 +214,176 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   }
 }
 
+// The same forward with two warpgroups a block and chunks of C2 = 128 timesteps: warpgroup h
+// owns rows 64 h .. 64 h + 63 of the chunk (its half: Q_h, K_h, V_h, staged by it) and columns
+// 32 h .. 32 h + 31 of the state. Per chunk,
+//
+//   h = 0: O_0 = Q_0 S + mask(Q_0 K_0^T) V_0
+//   h = 1: O_1 = Q_1 S + (Q_1 K_0^T) V_0 + mask(Q_1 K_1^T) V_1
+//   both:  S[:, 32 h ..] += K_0^T V_0[:, 32 h ..] + K_1^T V_1[:, 32 h ..]   (m64n32k16)
+//
+// Twice the work between two block barriers and 8 warps a multiprocessor, where the one-warpgroup
+// kernel keeps 4 (one (batch, head) a multiprocessor at 8,16,2048: latency-bound, 2.0x the floor).
+constexpr int C2 = 2 * C;
+
 template <int kStages, bool kStateOnly>
+__global__ void __launch_bounds__(256) wgmma_forward2_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
+                                                             const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L,
+                                                             int64_t segments, int64_t segment_len, float* states) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  // [kStages][Q, K, V][half] tiles, then the state's bf16 copy, then each warpgroup's output rows.
+  const uint32_t base = wgmma::smem_address(smem);
+  const uint32_t state_copy = base + kStages * 6 * kTile;
+  const int tid = threadIdx.x, h = tid / 128, thread = tid % 128;
+  const int warp = thread / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
+  __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 6 * kTile + kTile) + h * 64 * (D + 8);
+
+  const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
+  const int64_t end = begin + segment_len < L ? begin + segment_len : L;
+  const int64_t offset = pair * L * D;
+  q += offset, k += offset, v += offset, out += offset;
+  const int64_t chunks = end > begin ? (end - begin + C2 - 1) / C2 : 0;
+
+  auto tile_of = [&](int64_t chunk, int which, int half) {
+    return base + uint32_t(((chunk % kStages) * 3 + which) * 2 + half) * kTile;
+  };
+  auto issue = [&](int64_t chunk) {  // this warpgroup's half of the chunk
+    if (chunk < chunks) {
+      const int64_t t0 = begin + chunk * C2 + 64 * h;
+      if (!kStateOnly) stage(tile_of(chunk, 0, h), q, t0, end, thread);
+      stage(tile_of(chunk, 1, h), k, t0, end, thread);
+      stage(tile_of(chunk, 2, h), v, t0, end, thread);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+
+  // This warpgroup's columns of the state: rows e = 16 warp + g (+8), columns m = 32 h + 8 j + 2 q4 (+1)
+  // in state[4 j + ...].
+  float state[16];
+  float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e / 2), col = 32 * h + 8 * j + 2 * q4 + e % 2;
+      state[4 * j + e] = !kStateOnly && slot != nullptr ? slot[row * D + col] : 0.f;
+    }
+  auto publish = [&] {  // this warpgroup's columns of the state's bf16 copy
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int e = 16 * warp + g + 8 * half, m = 32 * h + 8 * j + 2 * q4;
+        const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
+                     "r"(wgmma::pack(state[4 * j + 2 * half], state[4 * j + 2 * half + 1]))
+                     : "memory");
+      }
+  };
+  if (!kStateOnly) publish();
+
+  // A 64 x 64 block of scores as bf16 A fragments (as the one-warpgroup kernel packs them), zero
+  // where column > row + shift: 0 the causal mask, 64 none, -64 all (no branch on the warpgroup:
+  // wgmma under one are serialized, ptxas C7520).
+  auto pack_scores = [&](float(&score)[32], uint32_t(&p)[4][4], int shift) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
+        if (col > row + shift) score[4 * j + e] = 0.f;
+      }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p[s][r] = wgmma::pack(score[8 * s + 2 * r], score[8 * s + 2 * r + 1]);
+  };
+
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+  for (int64_t it = 0; it < chunks; ++it) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    wgmma::fence_shared_writes();
+    __syncthreads();
+    issue(it + kStages - 1);
+    const uint32_t k0 = tile_of(it, 1, 0), k1 = tile_of(it, 1, 1), v0 = tile_of(it, 2, 0), v1 = tile_of(it, 2, 1);
+    auto update_state = [&] {  // S[:, 32 h ..] += K_0^T V_0[:, 32 h ..] + K_1^T V_1[:, 32 h ..]
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss_n32<1, 1>(state, k_along_rows(k0, s), k_along_rows(v0 + 512 * h, s));
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss_n32<1, 1>(state, k_along_rows(k1, s), k_along_rows(v1 + 512 * h, s));
+      wgmma::commit();
+    };
+    if constexpr (kStateOnly) {
+      wgmma::fence();
+      update_state();
+      wgmma::wait<0>();
+      continue;
+    }
+
+    // The scores first, then the state's update in the background while they are packed, then
+    // Q S and the P V products into o: fewer accumulators in flight at once (scores and o
+    // together, with cross, were more than ptxas would keep the wgmma pipelined for).
+    const uint32_t qt = tile_of(it, 0, h);
+    uint32_t p_own[4][4], p_cross[4][4];
+    {
+      // own: Q_h K_h^T; cross: Q_h K_0^T, which counts for h = 1 only (h = 0 multiplies its zeros:
+      // the same instructions in both warpgroups keep the wgmma pipelined)
+      float own[32], cross[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) own[i] = 0.f, cross[i] = 0.f;
+      wgmma::fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(own, k_along_columns(qt, s), k_along_columns(h ? k1 : k0, s));
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(cross, k_along_columns(qt, s), k_along_columns(k0, s));
+      wgmma::commit();
+      update_state();
+      wgmma::wait<1>();  // the scores; the state's update may still run
+      pack_scores(own, p_own, 0);
+      pack_scores(cross, p_cross, h == 1 ? 64 : -64);
+    }
+    float o[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) o[i] = 0.f;
+    wgmma::fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p_own[s], k_along_rows(h ? v1 : v0, s));
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p_cross[s], k_along_rows(v0, s));
+    wgmma::commit();
+    wgmma::wait<0>();
+
+    write_rows(o, out_rows, out, begin + it * C2 + 64 * h, end);
+    __syncthreads();  // both warpgroups' wgmma have read the state copy
+    publish();
+  }
+  if constexpr (kStateOnly) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        slot[(16 * warp + g + 8 * (e / 2)) * D + 32 * h + 8 * j + 2 * q4 + e % 2] = state[4 * j + e];
+      }
+  }
+}
+
+// kWarpgroups 1: wgmma_forward_kernel (chunks of C), 2: wgmma_forward2_kernel (chunks of C2).
+template <int kWarpgroups, int kStages, bool kStateOnly>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
             int64_t segments, int64_t segment_len, float* states) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int smem = kStages * 3 * kTile + kTile + 64 * (D + 8) * 2;
-  auto kernel = wgmma_forward_kernel<kStages, kStateOnly>;
+  const int smem = kStages * 3 * kWarpgroups * kTile + kTile + kWarpgroups * 64 * (D + 8) * 2;
+  auto kernel = [] {
+    if constexpr (kWarpgroups == 1) {
+      return wgmma_forward_kernel<kStages, kStateOnly>;
+    } else {
+      return wgmma_forward2_kernel<kStages, kStateOnly>;
+    }
+  }();
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<unsigned(pairs * segments), 128 * kWarpgroups, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
       segments, segment_len, states);
@@ -222,35 +392,38 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 
 // segments > 1: each segment's K^T V first (state-only launch), scanned (exclusive, torch's
 // cumsum), then every segment's outputs from its start state.
-template <int kStages>
+template <int kWarpgroups, int kStages>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
          int64_t segments) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
+  const int64_t step = kWarpgroups * C;  // the kernel's chunk
+  const int64_t segment_len = ((L + segments - 1) / segments + step - 1) / step * step;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
   if (segments == 1) {
-    launch<kStages, false>(q, k, v, out, 1, L, nullptr);
+    launch<kWarpgroups, kStages, false>(q, k, v, out, 1, L, nullptr);
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
+  launch<kWarpgroups, kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
   auto starts = (sums.cumsum(1) - sums).contiguous();
-  launch<kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
+  launch<kWarpgroups, kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments) {
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments,
+                      int64_t warpgroups) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
                 "the prototype takes contiguous bf16 [B, H, L, 64] q, k, v of one shape");
   }
   TORCH_CHECK(segments >= 1, "segments >= 1");
+  TORCH_CHECK(stages == 2 || stages == 3, "stages: 2 or 3");
+  TORCH_CHECK(warpgroups == 1 || warpgroups == 2, "warpgroups: 1 or 2");
   auto out = torch::empty_like(v);
-  if (stages == 2) {
-    run<2>(q, k, v, out, segments);
+  if (warpgroups == 1) {
+    stages == 2 ? run<1, 2>(q, k, v, out, segments) : run<1, 3>(q, k, v, out, segments);
   } else {
-    TORCH_CHECK(stages == 3, "stages: 2 or 3");
-    run<3>(q, k, v, out, segments);
+    stages == 2 ? run<2, 2>(q, k, v, out, segments) : run<2, 3>(q, k, v, out, segments);
   }
   return out;
 }

@@ -6,8 +6,9 @@ library's default path, its single-segment pass and, when importable, fla's fuse
 bf16, E = M = 64, contiguous [B, H, L, 64], scale 1, unnormalized. Correctness first (against
 float64 at a small shape with a partial last chunk, and against this library at each timed
 shape), then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth
-measured here). The prototype is built with the descriptor's offsets in the PTX ISA's order and
-swapped; the one that checks out is timed (benchmarks/wgmma_probe.py tells the same per layout).
+measured here). The descriptor's offsets are in the PTX ISA's order (--swap: also or only the
+other way round). Two kernels: one warpgroup a block with chunks of 64 steps, and two warpgroups
+with chunks of 128 (each warpgroup half the chunk's rows and half the state's columns).
 """
 import argparse
 import os
@@ -45,10 +46,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="8,16,2048;4,16,8192;2,4,8192")
     parser.add_argument("--fla", action="store_true", help="also time fla's fused_chunk (Triton compiles: minutes)")
-    parser.add_argument("--swap", choices=["auto", "0", "1"], default="auto",
-                        help="the descriptor offsets as the PTX ISA orders them (0), swapped (1), or 0 then 1 "
-                             "until one checks out (a build that faults leaves the GPU context unusable: rerun "
-                             "with the other)")
+    parser.add_argument("--swap", choices=["auto", "0", "1"], default="0",
+                        help="the descriptor offsets as the PTX ISA orders them (0, the default: what "
+                             "wgmma_probe.py measured right on the H200), swapped (1), or both (auto; a build "
+                             "that faults leaves the GPU context unusable)")
     args = parser.parse_args()
     import triton.testing
 
@@ -59,17 +60,18 @@ def main():
         v = torch.randn(B, H, L, 64, generator=gen)
         return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
 
-    q, k, v = inputs(2, 3, 200)  # a partial last chunk
+    q, k, v = inputs(2, 3, 150)  # a partial last chunk (of 64 steps: 22 rows; of 128: its second half empty)
     exact = reference(q.cpu(), k.cpu(), v.cpu())
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
     module = None
     for swap in ((False, True) if args.swap == "auto" else (args.swap == "1",)):
         candidate = load(swap)
-        errors = [relative_error(candidate.forward(q, k, v, stages, segments).cpu(), exact)
-                  for stages in (2, 3) for segments in (1, 3)]  # 3 asked: 2 segments, of 128 and 72 steps
-        print(f"float64 check, 2,3,200, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
-              f"error {max(errors):.2e} at most over 2 or 3 stages, 1 or 3 segments ({errors}); this library "
-              f"{library:.2e}")
+        # 3 segments asked: 2, of 128 and 22 steps (either chunk length)
+        errors = [relative_error(candidate.forward(q, k, v, stages, segments, warpgroups).cpu(), exact)
+                  for warpgroups in (1, 2) for stages in (2, 3) for segments in (1, 3)]
+        print(f"float64 check, 2,3,150, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
+              f"error {max(errors):.2e} at most over 1 or 2 warpgroups, 2 or 3 stages, 1 or 3 segments "
+              f"({[f'{e:.2e}' for e in errors]}); this library {library:.2e}")
         if module is None and max(errors) < 4 * max(library, 2.0**-8):
             module = candidate
     if module is None:
@@ -86,10 +88,15 @@ def main():
         q, k, v = inputs(B, H, L)
         expected = fast_causal_attn.causal_dot_product(q, k, v)
         floor = 4 * q.numel() * 2 / bandwidth * 1e3
-        # segments as this library picks them: a wave of blocks (3 a multiprocessor), 256 steps at least
-        segments = max(1, min(132 * 3 // (B * H), L // 256))
-        cases = {f"wgmma {st} stages, {sg} segments": (lambda st=st, sg=sg: module.forward(q, k, v, st, sg))
-                 for st in (2, 3) for sg in sorted({1, segments})}
+        # segments as this library picks them: a wave of blocks (3 a multiprocessor with one
+        # warpgroup a block; one with two), 256 steps at least
+        cases = {}
+        for wg, resident in ((1, 3), (2, 1)):
+            segments = max(1, min(132 * resident // (B * H), L // 256))
+            for st in (2, 3):
+                for sg in sorted({1, segments}):
+                    cases[f"wgmma {wg} wg, {st} stages, {sg} segments"] = (
+                        lambda wg=wg, st=st, sg=sg: module.forward(q, k, v, st, sg, wg))
         cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
 
         def one_segment():
@@ -111,7 +118,7 @@ def main():
             else:
                 check = ""
             ms = triton.testing.do_bench(fn, warmup=50, rep=200, return_mode="median")
-            print(f"{B},{H},{L},64 {name:28} {ms:8.4f} ms  {ms / floor:4.1f}x floor ({floor:.4f})  {check}", flush=True)
+            print(f"{B},{H},{L},64 {name:34} {ms:8.4f} ms  {ms / floor:4.1f}x floor ({floor:.4f})  {check}", flush=True)
 
 
 if __name__ == "__main__":
