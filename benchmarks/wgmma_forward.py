@@ -63,17 +63,20 @@ def main():
     q, k, v = inputs(2, 3, 150)  # a partial last chunk (of 64 steps: 22 rows; of 128: its second half empty)
     exact = reference(q.cpu(), k.cpu(), v.cpu())
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
-    module = None
+    module, kernels = None, []  # kernels: the warpgroup counts that check out, timed below
     for swap in ((False, True) if args.swap == "auto" else (args.swap == "1",)):
         candidate = load(swap)
-        # 3 segments asked: 2, of 128 and 22 steps (either chunk length)
-        errors = [relative_error(candidate.forward(q, k, v, stages, segments, warpgroups).cpu(), exact)
-                  for warpgroups in (1, 2) for stages in (2, 3) for segments in (1, 3)]
-        print(f"float64 check, 2,3,150, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
-              f"error {max(errors):.2e} at most over 1 or 2 warpgroups, 2 or 3 stages, 1 or 3 segments "
-              f"({[f'{e:.2e}' for e in errors]}); this library {library:.2e}")
-        if module is None and max(errors) < 4 * max(library, 2.0**-8):
-            module = candidate
+        for warpgroups in (1, 2):
+            # 3 segments asked: 2, of 128 and 22 steps (either chunk length)
+            errors = [relative_error(candidate.forward(q, k, v, stages, segments, warpgroups).cpu(), exact)
+                      for stages in (2, 3) for segments in (1, 3)]
+            print(f"float64 check, 2,3,150, {warpgroups} warpgroup(s), offsets "
+                  f"{'swapped' if swap else 'as the PTX ISA orders them'}: relative error {max(errors):.2e} at "
+                  f"most over 2 or 3 stages, 1 or 3 segments ({[f'{e:.2e}' for e in errors]}); this library "
+                  f"{library:.2e}")
+            if module in (None, candidate) and max(errors) < 4 * max(library, 2.0**-8):
+                module = candidate
+                kernels.append(warpgroups)
     if module is None:
         print("neither encoding gives the reference result: see benchmarks/wgmma_probe.py")
         return
@@ -92,6 +95,8 @@ def main():
         # warpgroup a block; one with two), 256 steps at least
         cases = {}
         for wg, resident in ((1, 3), (2, 1)):
+            if wg not in kernels:
+                continue
             segments = max(1, min(132 * resident // (B * H), L // 256))
             for st in (2, 3):
                 for sg in sorted({1, segments}):
