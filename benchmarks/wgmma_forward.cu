@@ -66,6 +66,59 @@ __device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int
   }
 }
 
+// A warpgroup's accumulator of NT n-tiles, as wgmma lays it out: warp w rows 16 w + g (+8), n-tile
+// j columns col0 + 8 j + 2 q4 (+1) in d[4 j ..] (g = lane / 4, q4 = lane % 4). The state's
+// columns col0 .. from a float32 [64][64] slot, to it, and to the state's bf16 copy in the staged
+// tile layout (element (e, m) at (e / 8) 1024 + (m / 8) 128 + (e % 8) 16 + (m % 8) 2 bytes).
+template <int NT>
+__device__ __forceinline__ void load_state(float (&d)[4 * NT], const float* slot, int col0) {
+  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      d[4 * j + e] = slot != nullptr ? slot[(16 * warp + g + 8 * (e / 2)) * D + col0 + 8 * j + 2 * q4 + e % 2] : 0.f;
+    }
+}
+template <int NT>
+__device__ __forceinline__ void store_state(const float (&d)[4 * NT], float* slot, int col0) {
+  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) slot[(16 * warp + g + 8 * (e / 2)) * D + col0 + 8 * j + 2 * q4 + e % 2] = d[4 * j + e];
+}
+template <int NT>
+__device__ __forceinline__ void publish_state(const float (&d)[4 * NT], uint32_t state_copy, int col0) {
+  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 16 * warp + g + 8 * h, m = col0 + 8 * j + 2 * q4;
+      const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(wgmma::pack(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]))
+                   : "memory");
+    }
+}
+
+// A 64 x 64 block of scores as the bf16 A fragments of P V (each warp its 16 rows in mma.sync's
+// m16n8k16 A layout), zero where column > row + shift: 0 the causal mask, 64 none, -64 all (a
+// mask instead of a branch on the warpgroup: wgmma under one are serialized, ptxas C7520).
+__device__ __forceinline__ void pack_scores(float (&score)[32], uint32_t (&p)[4][4], int shift) {
+  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (8 * j + 2 * q4 + e % 2 > 16 * warp + g + 8 * (e / 2) + shift) score[4 * j + e] = 0.f;
+    }
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) p[s][r] = wgmma::pack(score[8 * s + 2 * r], score[8 * s + 2 * r + 1]);
+}
+
 // A warpgroup's 64 x 64 accumulator (warp w rows 16 w + g (+8), as the state) to out's rows
 // t0 .., through this warp's 16 staging rows ([64][D + 8] bf16 a warpgroup), 16 bytes a lane;
 // rows at or past `end` are not written.
@@ -105,7 +158,6 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   const uint32_t state_copy = base + kStages * 3 * kTile;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 3 * kTile + kTile);
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
   const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
   const int64_t end = begin + segment_len < L ? begin + segment_len : L;  // this segment's timesteps
   const int64_t offset = pair * L * D;
@@ -122,29 +174,11 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
-  // The state: rows e = 16 warp + g (+8), columns m = 8 j + 2 q4 (+1) in state[4 j + ...].
+  // The state (columns 0 .. 63, see load_state); its bf16 copy is read by the next chunk's Q S.
   float state[32];
   float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
-      state[4 * j + e] = !kStateOnly && slot != nullptr ? slot[row * D + col] : 0.f;
-    }
-  // Its bf16 copy, read by the next chunk's Q S: element (e, m) at the staged layout's place.
-  auto publish = [&] {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
-        const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
-                     "r"(wgmma::pack(state[4 * j + 2 * h], state[4 * j + 2 * h + 1]))
-                     : "memory");
-      }
-  };
+  load_state<8>(state, kStateOnly ? nullptr : slot, 0);
+  auto publish = [&] { publish_state<8>(state, state_copy, 0); };
   if (!kStateOnly) publish();
 
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -178,22 +212,8 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::commit();
     wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
 
-    // Causal mask (row t, column s: s <= t), the scores as bf16 A fragments of P V.
     uint32_t p[4][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
-        if (col > row) score[4 * j + e] = 0.f;
-      }
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      p[s][0] = wgmma::pack(score[8 * s + 0], score[8 * s + 1]);
-      p[s][1] = wgmma::pack(score[8 * s + 2], score[8 * s + 3]);
-      p[s][2] = wgmma::pack(score[8 * s + 4], score[8 * s + 5]);
-      p[s][3] = wgmma::pack(score[8 * s + 6], score[8 * s + 7]);
-    }
+    pack_scores(score, p, 0);  // causal mask (row t, column s: s <= t)
     wgmma::fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
@@ -204,14 +224,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
-  if constexpr (kStateOnly) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] = state[4 * j + e];
-      }
-  }
+  if constexpr (kStateOnly) store_state<8>(state, slot, 0);
 }
 
 // The same forward with two warpgroups a block and chunks of C2 = 128 timesteps: warpgroup h
@@ -234,8 +247,7 @@ __global__ void __launch_bounds__(256) wgmma_forward2_kernel(const __nv_bfloat16
   // [kStages][Q, K, V][half] tiles, then the state's bf16 copy, then each warpgroup's output rows.
   const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 6 * kTile;
-  const int tid = threadIdx.x, h = tid / 128, thread = tid % 128;
-  const int warp = thread / 32, lane = tid % 32, g = lane / 4, q4 = lane % 4;
+  const int h = threadIdx.x / 128, thread = threadIdx.x % 128;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 6 * kTile + kTile) + h * 64 * (D + 8);
 
   const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
@@ -257,47 +269,12 @@ __global__ void __launch_bounds__(256) wgmma_forward2_kernel(const __nv_bfloat16
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
-  // This warpgroup's columns of the state: rows e = 16 warp + g (+8), columns m = 32 h + 8 j + 2 q4 (+1)
-  // in state[4 j + ...].
+  // This warpgroup's columns of the state, 32 h .. 32 h + 31 (see load_state).
   float state[16];
   float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), col = 32 * h + 8 * j + 2 * q4 + e % 2;
-      state[4 * j + e] = !kStateOnly && slot != nullptr ? slot[row * D + col] : 0.f;
-    }
-  auto publish = [&] {  // this warpgroup's columns of the state's bf16 copy
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int e = 16 * warp + g + 8 * half, m = 32 * h + 8 * j + 2 * q4;
-        const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at),
-                     "r"(wgmma::pack(state[4 * j + 2 * half], state[4 * j + 2 * half + 1]))
-                     : "memory");
-      }
-  };
+  load_state<4>(state, kStateOnly ? nullptr : slot, 32 * h);
+  auto publish = [&] { publish_state<4>(state, state_copy, 32 * h); };
   if (!kStateOnly) publish();
-
-  // A 64 x 64 block of scores as bf16 A fragments (as the one-warpgroup kernel packs them), zero
-  // where column > row + shift: 0 the causal mask, 64 none, -64 all (no branch on the warpgroup:
-  // wgmma under one are serialized, ptxas C7520).
-  auto pack_scores = [&](float(&score)[32], uint32_t(&p)[4][4], int shift) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int row = 16 * warp + g + 8 * (e / 2), col = 8 * j + 2 * q4 + e % 2;
-        if (col > row + shift) score[4 * j + e] = 0.f;
-      }
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) p[s][r] = wgmma::pack(score[8 * s + 2 * r], score[8 * s + 2 * r + 1]);
-  };
 
   for (int i = 0; i < kStages - 1; ++i) issue(i);
   for (int64_t it = 0; it < chunks; ++it) {
@@ -359,14 +336,7 @@ __global__ void __launch_bounds__(256) wgmma_forward2_kernel(const __nv_bfloat16
     __syncthreads();  // both warpgroups' wgmma have read the state copy
     publish();
   }
-  if constexpr (kStateOnly) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        slot[(16 * warp + g + 8 * (e / 2)) * D + 32 * h + 8 * j + 2 * q4 + e % 2] = state[4 * j + e];
-      }
-  }
+  if constexpr (kStateOnly) store_state<4>(state, slot, 32 * h);
 }
 
 // kWarpgroups 1: wgmma_forward_kernel (chunks of C), 2: wgmma_forward2_kernel (chunks of C2).
