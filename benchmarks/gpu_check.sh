@@ -94,6 +94,8 @@ if has sanitize; then
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"
   # the fused recurrent dk/dv pass (tiles of 16 timesteps, partial rows and columns)
   sanitize fused_recurrent "test_recurrent_fused_grad_kv and bhld and (B2H3L100E128M128 or B1H2L333E100M70)"
+  # the dq pass starting from the forward's segment starts (read transposed)
+  sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
 fi
 
 if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L E M fwd|bwd dtype"

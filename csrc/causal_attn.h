@@ -99,6 +99,14 @@ struct BackwardParams : ForwardParams {
   const void* grad_final_k_sum = nullptr;  // [num_seqs, H, E]
   void* grad_initial_kv = nullptr;         // [num_seqs, H, E, M], written
   void* grad_initial_k_sum = nullptr;      // [num_seqs, H, E], written
+
+  // The forward's segment starts (ForwardSegments in ops.h), or nullptr: with forward_segments > 1
+  // time segments, the state S = sum k v^T before each, [num_seqs * H, segments, E, M], and the
+  // key sum before each, [num_seqs * H, segments, E] (nullptr unless the forward tracked it).
+  // The dq pass's state is [S^T; z^T], so its segments may start from these.
+  const void* forward_segment_kv = nullptr;
+  const void* forward_segment_k_sum = nullptr;
+  int64_t forward_segments = 0;
 };
 
 }  // namespace fast_causal_attn

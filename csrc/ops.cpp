@@ -229,9 +229,40 @@ void check_state_backend(const at::Tensor& q, const at::Tensor& v, bool uses_sta
               ", got E = ", E, ", M = ", M);
 }
 
+// The forward's segment starts given to the backward (its last two results): [N * H, S, E, M] and
+// [N * H, S, E] (or S = 0 there: none kept), accumulation dtype, on q's device. Undefined where
+// absent or S = 0 (the dq pass then sums its segments itself); the segment count's fit to L is
+// the kernels' to check, which know the segments' step.
+ForwardSegments checked_segments(const c10::optional<at::Tensor>& kv, const c10::optional<at::Tensor>& k_sum,
+                                 const at::Tensor& qb, const at::Tensor& vb, int64_t num_seqs, const at::Tensor& q) {
+  const int64_t pairs = num_seqs * qb.size(1), E = qb.size(3), M = vb.size(3);
+  const auto dtype = accumulation_dtype(q.scalar_type());
+  auto check = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, const char* dims) {
+    shape[1] = t.dim() == int64_t(shape.size()) ? t.size(1) : 0;  // any segment count
+    TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "fast_causal_attn: ", name, " must have shape ", dims,
+                " with ", dims[1] == 'N' ? "N * H = " : "", pairs, " (the forward's result), got ", t.sizes());
+    TORCH_CHECK(t.scalar_type() == dtype && t.device() == q.device(), "fast_causal_attn: ", name, " must be ", dtype,
+                " on ", q.device(), ", got ", t.scalar_type(), " on ", t.device());
+    TORCH_CHECK(t.is_contiguous(), "fast_causal_attn: ", name, " must be contiguous (the forward's result)");
+  };
+  ForwardSegments s;
+  if (kv.has_value()) {
+    check(*kv, "segment_kv", {pairs, 0, E, M}, "[N * H, S, E, M]");
+    if (kv->size(1) > 0) s.kv = *kv;
+  }
+  if (k_sum.has_value()) {
+    check(*k_sum, "segment_k_sum", {pairs, 0, E}, "[N * H, S, E]");
+    const int64_t S = s.kv.defined() ? s.kv.size(1) : 0;
+    TORCH_CHECK(k_sum->size(1) == 0 || k_sum->size(1) == S, "fast_causal_attn: segment_k_sum must have as many "
+                "segments as segment_kv (", S, ") or none, got ", k_sum->size(1));
+    if (k_sum->size(1) > 0) s.k_sum = *k_sum;
+  }
+  return s;
+}
+
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
+ForwardResult causal_attn_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
     const c10::optional<at::Tensor>& initial_k_sum, const c10::optional<at::Tensor>& cu_seqlens, double scale,
     bool normalize, double eps, c10::string_view layout_name, bool return_final_state, ForwardLauncher launch) {
@@ -251,6 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
   const at::Tensor den = empty_if(normalize, qb.sizes().slice(0, 3), acc);
   const at::Tensor kv1 = empty_if(return_final_state, seqs.shapes.kv, acc);
   const at::Tensor k_sum1 = empty_if(return_final_state, seqs.shapes.k_sum, acc);
+  ForwardSegments kept;
   if (ob.numel() > 0 || kv1.numel() > 0) {
     ForwardParams p;
     fill_problem(p, qb, vb, scale, normalize, eps);
@@ -264,9 +296,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_forward(
       p.final_kv = kv1.data_ptr();
       p.final_k_sum = k_sum1.data_ptr();
     }
-    launch(p);
+    kept = launch(p);
   }
-  return {as_bhld(ob, layout), den, kv1, k_sum1};
+  // No segments: S = 0, so that the results' ranks never change.
+  const int64_t pairs = seqs.count * qb.size(1), E = qb.size(3), M = vb.size(3);
+  at::Tensor segment_kv = kept.kv.defined() ? kept.kv : at::empty({pairs, 0, E, M}, acc);
+  at::Tensor segment_k_sum = kept.k_sum.defined() ? kept.k_sum : at::empty({pairs, 0, E}, acc);
+  return {as_bhld(ob, layout), den, kv1, k_sum1, segment_kv, segment_k_sum};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_attn_backward(
@@ -275,6 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
     const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& den,
     const c10::optional<at::Tensor>& initial_kv, const c10::optional<at::Tensor>& initial_k_sum,
     const c10::optional<at::Tensor>& cu_seqlens, double scale, bool normalize, c10::string_view layout_name,
+    const c10::optional<at::Tensor>& segment_kv, const c10::optional<at::Tensor>& segment_k_sum,
     BackwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, 1.0);
@@ -304,6 +341,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
   const at::Tensor kb = with_contiguous_rows(as_bhld(k, layout));
   const at::Tensor vb = with_contiguous_rows(as_bhld(v, layout));
   const Sequences seqs = checked_sequences(q, qb, vb, cu_seqlens, initial_kv, initial_k_sum);
+  const ForwardSegments segments = checked_segments(segment_kv, segment_k_sum, qb, vb, seqs.count, q);
   at::Tensor dkv1, dk_sum1;
   if (grad_final_kv.has_value()) {
     dkv1 = seqs.state(*grad_final_kv, "grad_final_kv", true, q);
@@ -343,6 +381,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
       p.grad_final_kv = dkv1.data_ptr();
       p.grad_final_k_sum = dk_sum1.data_ptr();
     }
+    if (segments.kv.defined()) {
+      p.forward_segment_kv = segments.kv.data_ptr();
+      p.forward_segment_k_sum = segments.k_sum.defined() ? segments.k_sum.data_ptr() : nullptr;
+      p.forward_segments = segments.kv.size(1);
+    }
     launch(p);
   }
   return {as_bhld(dqb, layout), as_bhld(dkb, layout), as_bhld(dvb, layout), dkv0, dk_sum0};
@@ -351,26 +394,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
 TORCH_LIBRARY(fast_causal_attn, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens,"
         " float scale, bool normalize, float eps, str layout, bool return_final_state)"
-        " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum)");
+        " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum, Tensor segment_kv, Tensor segment_k_sum)");
   m.def("backward(Tensor grad_out, Tensor? grad_final_kv, Tensor? grad_final_k_sum, Tensor q, Tensor k, Tensor v,"
         " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens, float scale,"
-        " bool normalize, str layout) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
+        " bool normalize, str layout, Tensor? segment_kv=None, Tensor? segment_k_sum=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
         " Tensor grad_initial_k_sum)");
 }
 
 #ifndef FAST_CAUSAL_ATTN_WITH_CUDA
 // A CPU-only build still checks CUDA inputs, then says what to do.
 namespace {
-template <typename Params>
-void no_cuda(const Params&) {
+template <typename Result, typename Params>
+Result no_cuda(const Params&) {
   TORCH_CHECK(false, "fast_causal_attn was built without CUDA support; reinstall it where a CUDA toolkit and a "
                      "CUDA build of torch are present (or set FAST_CAUSAL_ATTN_BUILD=cuda)");
+  return Result();
 }
 }  // namespace
 
 TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
-  m.impl("forward", &forward_op<&no_cuda<ForwardParams>>);
-  m.impl("backward", &backward_op<&no_cuda<BackwardParams>>);
+  m.impl("forward", &forward_op<&no_cuda<ForwardSegments, ForwardParams>>);
+  m.impl("backward", &backward_op<&no_cuda<void, BackwardParams>>);
 }
 #endif
 

@@ -7,8 +7,8 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICE_KERNELS, DEVICES
-from reference import (check_state_matches_reference, gradient_magnitudes, make_inputs, reference, reference_with_grads,
-                       relative_error, time_dim)
+from reference import (check_state_matches_reference, gradient_magnitudes, make_inputs, make_state, reference,
+                       reference_with_grads, relative_error, time_dim)
 
 # (B, H, L, E, M)
 SHAPES = [
@@ -137,6 +137,42 @@ def test_time_segments(segments, normalize, dtype, device, kernel, use_kernel, m
     check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
     check_state_matches_reference(B, H, L, E, M, layout="bhld", normalize=normalize, dtype=dtype, device=device,
                                   scale=0.8)
+
+
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("with_state", [False, True], ids=["stateless", "state"])
+@pytest.mark.parametrize("shape", [(1, 2, 1100, 32, 48), (1, 3, 1500, 128, 128), (2, 1, 2000, 64, 64)], ids=shape_id)
+def test_grad_q_from_forward_segments(shape, with_state, normalize, dtype, device, monkeypatch):
+    """The dq pass starts its segments from the forward's (their transposes) instead of summing
+    them again: the forward returns them, the gradients match the reference, and match the dq pass
+    that sums its own (FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) to rounding."""
+    B, H, L, E, M = shape
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, normalize=normalize)
+    state = tuple(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)) if with_state else (None, None)
+    segment_kv, segment_k_sum = torch.ops.fast_causal_attn.forward(q, k, v, *state, None, 0.8, normalize, 1e-6,
+                                                                   "bhld", with_state)[4:]
+    assert segment_kv.shape[:1] + segment_kv.shape[2:] == (B * H, E, M) and segment_kv.shape[1] > 1
+    assert segment_k_sum.shape == ((B * H, segment_kv.shape[1], E) if normalize or with_state else (B * H, 0, E))
+    if not with_state:
+        check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
+    grad_out = torch.randn_like(v)
+
+    def grads():
+        inputs = [x.detach().requires_grad_() for x in (q, k, v, *state) if x is not None]
+        out = fast_causal_attn.causal_linear_attention(
+            *inputs[:3], scale=0.8, normalize=normalize, initial_state=tuple(inputs[3:]) or None)
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    reused = grads()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")
+    own = grads()
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for name, x, y in zip(("grad_q", "grad_k", "grad_v", "grad_kv0", "grad_k_sum0"), reused, own):
+        error = relative_error(x, y)
+        assert error <= tolerance, f"{name}: {error:.3g} from the dq pass that sums its own segments"
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")

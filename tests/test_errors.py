@@ -145,3 +145,40 @@ def test_backward_op_checks_grad_out():
     with pytest.raises(RuntimeError, match=r"normalize=True needs the forward's out and den"):
         torch.ops.fast_causal_attn.backward(torch.zeros(2, 3, 10, 5), None, None, q, k, v, None, None, None, None, None, 1.0,
                                             True, "bhld")
+
+
+def test_backward_op_checks_forward_segments():
+    """The forward's segment starts (its last two results) come back to the backward as they went:
+    shape, dtype, contiguity and matching segment counts are checked."""
+    q, k, v = good_inputs()  # B * H = 6, E = 4, M = 5
+    grad_out = torch.zeros_like(v)
+
+    def backward(segment_kv, segment_k_sum=None):
+        torch.ops.fast_causal_attn.backward(grad_out, None, None, q, k, v, None, None, None, None, None, 1.0, False,
+                                            "bhld", segment_kv, segment_k_sum)
+
+    backward(torch.zeros(6, 0, 4, 5), torch.zeros(6, 0, 4))  # none kept: accepted
+    with pytest.raises(RuntimeError, match=r"segment_kv must have shape \[N \* H, S, E, M\] with N \* H = 6 "
+                                           r"\(the forward's result\), got \[6, 2, 5, 4\]"):
+        backward(torch.zeros(6, 2, 5, 4))
+    with pytest.raises(RuntimeError, match=r"segment_kv must have shape .*got \[6, 4, 5\]"):
+        backward(torch.zeros(6, 4, 5))
+    with pytest.raises(RuntimeError, match=r"segment_kv must be Float on cpu, got Double on cpu"):
+        backward(torch.zeros(6, 2, 4, 5, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"segment_kv must be contiguous"):
+        backward(torch.zeros(6, 4, 5, 2).permute(0, 3, 1, 2))
+    with pytest.raises(RuntimeError, match=r"segment_k_sum must have shape \[N \* H, S, E\] .*got \[6, 2, 5\]"):
+        backward(torch.zeros(6, 2, 4, 5), torch.zeros(6, 2, 5))
+    with pytest.raises(RuntimeError, match=r"segment_k_sum must have as many segments as segment_kv \(2\) or none, "
+                                           r"got 3"):
+        backward(torch.zeros(6, 2, 4, 5), torch.zeros(6, 3, 4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+def test_forward_segments_that_do_not_fit_the_length():
+    """A segment count no forward of this length makes (7 segments of 10 timesteps) is refused by
+    the dq pass, which would otherwise read segments past the sequence."""
+    q, k, v = (x.cuda() for x in good_inputs())
+    with pytest.raises(RuntimeError, match=r"segment_kv holds 7 segments, which no forward of 10 timesteps makes"):
+        torch.ops.fast_causal_attn.backward(torch.zeros_like(v), None, None, q, k, v, None, None, None, None, None, 1.0,
+                                            False, "bhld", torch.zeros(6, 7, 4, 5, device="cuda"), None)

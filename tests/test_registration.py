@@ -9,8 +9,14 @@ from reference import make_inputs, make_state
 ops = torch.ops.fast_causal_attn
 
 
-def op_inputs(device, layout, normalize, dtype=torch.float32):
-    return make_inputs(2, 3, 70, 8, 6, dtype=dtype, device=device, layout=layout, normalize=normalize)
+def op_inputs(device, layout, normalize, dtype=torch.float32, L=70):
+    return make_inputs(2, 3, L, 8, 6, dtype=dtype, device=device, layout=layout, normalize=normalize)
+
+
+# Long enough that the CUDA kernels split time into segments (6 sequence-heads, 4 chunks of 64
+# timesteps a segment at least), whose starts the forward returns for the dq pass: their count is
+# a size the fake kernel cannot know.
+SEGMENTED_L = 1100
 
 
 # Every (layout, normalize, with_state, device) the opcheck tests run.
@@ -22,9 +28,9 @@ op_cases = cases(
 )
 
 
-def op_case(layout, normalize, with_state, device):
+def op_case(layout, normalize, with_state, device, L=70):
     """q, k, v and an initial state (or Nones) for one case."""
-    q, k, v = op_inputs(device, layout, normalize)
+    q, k, v = op_inputs(device, layout, normalize, L=L)
     if not with_state:
         return q, k, v, None, None
     B, H = q.shape[0], (q.shape[2] if layout == "blhd" else q.shape[1])
@@ -34,27 +40,38 @@ def op_case(layout, normalize, with_state, device):
 # The ops carry no autograd kernel of their own: gradients come from the autograd.Function that
 # the public API goes through (tested by gradcheck), so opcheck runs them on inputs that do not
 # require grad and its autograd-registration check has nothing to flag.
+segment_lengths = pytest.mark.parametrize("L", [70, SEGMENTED_L], ids=["short", "segmented"])
+
+
 @op_cases
-def test_opcheck_forward(layout, normalize, with_state, device):
-    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device)
+@segment_lengths
+def test_opcheck_forward(layout, normalize, with_state, device, L):
+    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device, L)
     torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state))
 
 
 @op_cases
-def test_opcheck_backward(layout, normalize, with_state, device):
-    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device)
-    out, den, kv1, k_sum1 = ops.forward(q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state)
+@segment_lengths
+@pytest.mark.parametrize("with_segments", [False, True], ids=["own_segments", "forward_segments"])
+def test_opcheck_backward(layout, normalize, with_state, device, L, with_segments):
+    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device, L)
+    out, den, kv1, k_sum1, segment_kv, segment_k_sum = ops.forward(q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6,
+                                                                   layout, with_state)
+    if device == "cuda" and L == SEGMENTED_L:  # the case that has them
+        assert segment_kv.shape[1] > 1 and segment_k_sum.shape[1] == (segment_kv.shape[1] if normalize else 0)
     grad_out = torch.randn_like(out)
     grad_final = (torch.randn_like(kv1), torch.randn_like(k_sum1)) if with_state else (None, None)
     saved = (out, den) if normalize else (None, None)
-    torch.library.opcheck(ops.backward.default,
-                          (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, None, 0.5, normalize, layout))
+    segments = (segment_kv, segment_k_sum) if with_segments else (None, None)
+    torch.library.opcheck(ops.backward.default, (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, None, 0.5,
+                                                 normalize, layout, *segments))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_torch_compile_fullgraph(layout, normalize, device):
+@segment_lengths
+def test_torch_compile_fullgraph(layout, normalize, device, L):
     torch._dynamo.reset()
 
     def attention_block(q, k, v):
@@ -62,7 +79,7 @@ def test_torch_compile_fullgraph(layout, normalize, device):
         return torch.nn.functional.gelu(out) * 2
 
     compiled = torch.compile(attention_block, fullgraph=True, backend="aot_eager")
-    q, k, v = (x.requires_grad_() for x in op_inputs(device, layout, normalize))
+    q, k, v = (x.requires_grad_() for x in op_inputs(device, layout, normalize, L=L))
     eager_out = attention_block(q, k, v)
     eager_grads = torch.autograd.grad(eager_out.sum(), (q, k, v))
     compiled_out = compiled(q, k, v)
@@ -73,14 +90,15 @@ def test_torch_compile_fullgraph(layout, normalize, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_inductor(device):
+@segment_lengths
+def test_torch_compile_inductor(device, L):
     """The default backend as a training script would use it: no graph break, same numbers."""
     torch._dynamo.reset()
 
     def f(q, k, v):
         return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
 
-    q, k, v = (x.requires_grad_() for x in op_inputs(device, "bhld", False))
+    q, k, v = (x.requires_grad_() for x in op_inputs(device, "bhld", False, L=L))
     compiled = torch.compile(f, fullgraph=True)
     loss = compiled(q, k, v)
     grads = torch.autograd.grad(loss, (q, k, v))

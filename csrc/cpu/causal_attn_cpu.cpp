@@ -514,7 +514,8 @@ void backward_cpu_kernel(const BackwardParams& p) {
   });
 }
 
-void launch_forward_cpu(const ForwardParams& p) {
+// The CPU kernels run whole sequences: no segments to keep for the backward.
+ForwardSegments launch_forward_cpu(const ForwardParams& p) {
   const bool decode_step = p.L == 1 && p.cu_seqlens == nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn forward (CPU)", [&] {
     if (decode_step) {
@@ -523,6 +524,7 @@ void launch_forward_cpu(const ForwardParams& p) {
       forward_cpu_kernel<scalar_t>(p);
     }
   });
+  return {};
 }
 
 void launch_backward_cpu(const BackwardParams& p) {

@@ -82,7 +82,7 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
 // The user's TF32 setting for float32 matmuls, which the tensor-core kernels follow.
 bool tf32_allowed(const KernelParams& p) { return p.dtype == at::kFloat && at::globalContext().allowTF32CuBLAS(); }
 
-void launch_forward_cuda(const ForwardParams& params) {
+ForwardSegments launch_forward_cuda(const ForwardParams& params) {
   KernelParams p;
   static_cast<ForwardParams&>(p) = params;
   p.tf32 = tf32_allowed(p);
@@ -93,9 +93,9 @@ void launch_forward_cuda(const ForwardParams& params) {
   const Family family = forced_family();
   if (p.L == 1 && p.cu_seqlens == nullptr && (family == Family::Default || family == Family::Decode)) {
     run_decode_step(p, stream);
-  } else {
-    run_forward_pass(p, stream);
+    return {};
   }
+  return run_forward_pass(p, stream);
 }
 
 void launch_backward_cuda(const BackwardParams& params) {

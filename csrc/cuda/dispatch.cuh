@@ -92,8 +92,9 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
          (family == Family::TensorCore || (family == Family::Default && tensorcore_by_default<scalar_t>(p, Da, Dc)));
 }
 
+// Returns the forward's segment starts where the tensor-core family kept them (see ForwardSegments).
 template <Pass P, typename scalar_t>
-void run_pass(const KernelParams& params, cudaStream_t stream) {
+ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
   const KernelParams p = with_state_io<P>(params);
   // a and b index the state's rows, c its columns (see Operands).
   const bool a_is_e = P == Pass::Forward || P == Pass::GradV;
@@ -105,20 +106,18 @@ void run_pass(const KernelParams& params, cudaStream_t stream) {
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",
                 int64_t(kMaxChunkedRows), ", got E = ", p.E, ", M = ", p.M);
-    if (tensorcore) {
-      run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
-    } else {
-      run_chunked<P, scalar_t>(p, Da, Dc, stream);
-    }
-    return;
+    if (tensorcore) return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+    run_chunked<P, scalar_t>(p, Da, Dc, stream);
+    return {};
   }
   if (family == Family::Chunked && Da <= kMaxChunkedRows) {
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
   } else if (tensorcore) {
-    run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+    return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
   } else {
     run_recurrent<P, scalar_t>(p, Da, Dc, stream);
   }
+  return {};
 }
 
 // Whether a pass with the state's Da rows and Dc columns runs on the recurrent family (see run_pass).
@@ -167,13 +166,15 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 }
 
 template <Pass P>
-void run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
+ForwardSegments run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
+  ForwardSegments kept;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn (CUDA)",
-                                  [&] { run_pass<P, scalar_t>(p, stream); });
+                                  [&] { kept = run_pass<P, scalar_t>(p, stream); });
+  return kept;
 }
 
 // One compile unit each (csrc/cuda/pass_*.cu), so that builds run in parallel.
-void run_forward_pass(const KernelParams& p, cudaStream_t stream);
+ForwardSegments run_forward_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_q_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_k_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);

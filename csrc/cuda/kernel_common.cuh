@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include "../causal_attn.h"
+#include "../ops.h"
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -55,7 +56,10 @@ struct KernelParams : BackwardParams {
   int64_t segments = 1;
   int64_t segment_len = 0;      // timesteps per segment, a multiple of the family's time step
   bool state_only = false;
-  void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype
+  void* seg_state = nullptr;    // [B * H, segments, Da, Dc] accumulation dtype ([.., Dc, Da] when seg_from_forward)
+  // The dq pass's segments start from the forward's segment starts (transposed: its state is S^T),
+  // which the forward has summed and scanned: no state-only launch, no scan (see ForwardSegments).
+  bool seg_from_forward = false;
   void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
   void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
 
@@ -224,40 +228,58 @@ int multiprocessor_count();
 // cost more than the parallelism gains). FAST_CAUSAL_ATTN_SEGMENTS=N forces N, for measuring.
 int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len);
 
+// Timesteps per segment when `segments` share L in multiples of `step`. A function of the segment
+// count it leaves (ceil(L / segment_len)) as much as of the one asked for, so that a pass can
+// rebuild another pass's segments from their count (see ForwardSegments).
+inline int64_t segment_length(int64_t L, int64_t segments, int64_t step) {
+  return ((L + segments - 1) / segments + step - 1) / step * step;
+}
+
 // The workspace of a segmented launch: each segment's state sum_s b[s] c[s]^T, and its sums of b
 // (forward normalize) and of extra_b * c (gradients under normalize). Sets p's segments,
 // segment_len (a multiple of step) and workspace pointers. One allocation holds the three regions
 // (each 16-byte aligned, for the scan's vector loads), none with one segment: every allocation is
-// host time on each call, which small shapes' forward+backward is bound by.
+// host time on each call, which small shapes' forward+backward is bound by. The forward's two
+// regions are tensors of their own, [B * H, segments, Da, Dc] and [B * H, segments, Da], so that
+// the op can return them for the dq pass (kept()).
 struct SegmentWorkspace {
   struct Region {
     void* data = nullptr;
     int64_t numel = 0;
   };
-  at::Tensor buffer;  // owns the regions' memory; undefined with one segment
+  at::Tensor buffer;          // owns the regions' memory (the forward: the state's); undefined with one segment
+  at::Tensor key_sum_buffer;  // the forward's key sums, where it has them
   Region state, key_sum, extra;
   at::ScalarType dtype = at::kFloat;
 
   template <Pass P, typename acc_t>
   static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc) {
-    p.segment_len = ((p.L + segments - 1) / segments + step - 1) / step * step;
+    p.segment_len = segment_length(p.L, segments, step);
     p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
     SegmentWorkspace w;
     w.dtype = c10::CppTypeToScalarType<acc_t>::value;
     if (p.segments > 1) {
-      const int64_t n = p.num_seqs * p.H * p.segments;
-      Region* regions[3] = {&w.state, &w.key_sum, &w.extra};
-      const int64_t sizes[3] = {n * Da * Dc, P == Pass::Forward && (p.normalize || p.end_vector) ? n * Da : 0,
-                                P != Pass::Forward && p.normalize ? n * Dc : 0};
-      constexpr int64_t kAlign = 16 / sizeof(acc_t);
-      auto padded = [](int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
-      w.buffer = at::empty({padded(sizes[0]) + padded(sizes[1]) + padded(sizes[2])},
-                           at::TensorOptions().dtype(w.dtype).device(at::kCUDA));
-      acc_t* next = w.buffer.data_ptr<acc_t>();
-      for (int i = 0; i < 3; ++i) {
-        regions[i]->numel = sizes[i];
-        regions[i]->data = sizes[i] > 0 ? next : nullptr;
-        next += padded(sizes[i]);
+      const int64_t pairs = p.num_seqs * p.H, n = pairs * p.segments;
+      const auto options = at::TensorOptions().dtype(w.dtype).device(at::kCUDA);
+      if constexpr (P == Pass::Forward) {
+        w.buffer = at::empty({pairs, p.segments, Da, Dc}, options);
+        w.state = {w.buffer.data_ptr(), w.buffer.numel()};
+        if (p.normalize || p.end_vector) {
+          w.key_sum_buffer = at::empty({pairs, p.segments, Da}, options);
+          w.key_sum = {w.key_sum_buffer.data_ptr(), w.key_sum_buffer.numel()};
+        }
+      } else {
+        Region* regions[3] = {&w.state, &w.key_sum, &w.extra};
+        const int64_t sizes[3] = {n * Da * Dc, 0, p.normalize ? n * Dc : 0};
+        constexpr int64_t kAlign = 16 / sizeof(acc_t);
+        auto padded = [](int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
+        w.buffer = at::empty({padded(sizes[0]) + padded(sizes[1]) + padded(sizes[2])}, options);
+        acc_t* next = w.buffer.data_ptr<acc_t>();
+        for (int i = 0; i < 3; ++i) {
+          regions[i]->numel = sizes[i];
+          regions[i]->data = sizes[i] > 0 ? next : nullptr;
+          next += padded(sizes[i]);
+        }
       }
       p.seg_state = w.state.data;
       p.seg_key_sum = w.key_sum.data;
@@ -265,6 +287,9 @@ struct SegmentWorkspace {
     }
     return w;
   }
+
+  // The forward's segment starts (after its scan), for the op to return.
+  ForwardSegments kept() const { return {buffer, key_sum_buffer}; }
 };
 
 // Where a block of a pass starts, element by element: the sum of the segments before it (after
@@ -280,7 +305,11 @@ struct SegmentStart {
       : p(params), slot(pair_ * params.segments + segment), pair(pair_), Da(Da_), Dc(Dc_) {}
 
   __device__ acc_t state(int64_t row, int64_t col) const {
-    acc_t value = p.segments > 1 ? static_cast<const acc_t*>(p.seg_state)[(slot * Da + row) * Dc + col] : acc_t(0);
+    acc_t value = acc_t(0);
+    if (p.segments > 1) {
+      const acc_t* seg = static_cast<const acc_t*>(p.seg_state);
+      value = p.seg_from_forward ? seg[(slot * Dc + col) * Da + row] : seg[(slot * Da + row) * Dc + col];
+    }
     if (p.start_state != nullptr) {
       const acc_t* start = static_cast<const acc_t*>(p.start_state);
       value += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
@@ -397,14 +426,14 @@ void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
 }
 
 // Launches a segmented pass: with more than one segment, first the state-only launch that sums
-// each segment's state, the scans that turn those into each segment's start, then the pass
-// itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
+// each segment's state, the scans that turn those into each segment's start (unless the starts are
+// the forward's), then the pass itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
 template <Pass P, typename Kernel>
 void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
                       int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   allow_dynamic_smem(kernel, smem);
-  if (p.segments > 1) {
+  if (p.segments > 1 && !p.seg_from_forward) {
     KernelParams sums = p;
     sums.state_only = true;
     const int64_t sum_blocks = blocks / p.segments * launched_segments(sums);

@@ -4,7 +4,9 @@
 namespace fast_causal_attn {
 namespace cuda {
 
-void run_forward_pass(const KernelParams& p, cudaStream_t stream) { run_pass_for_dtype<Pass::Forward>(p, stream); }
+ForwardSegments run_forward_pass(const KernelParams& p, cudaStream_t stream) {
+  return run_pass_for_dtype<Pass::Forward>(p, stream);
+}
 
 }  // namespace cuda
 }  // namespace fast_causal_attn

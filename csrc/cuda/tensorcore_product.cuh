@@ -864,8 +864,16 @@ inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
          aligned(p.o) && aligned(p.dq) && aligned(p.dk) && aligned(p.dv);
 }
 
+// Whether the dq pass starts its segments from the forward's where it kept them (the default);
+// FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0 sums them again, for tests and measuring.
+inline bool reuse_forward_segments() {
+  const char* reuse = std::getenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS");
+  return reuse == nullptr || std::strcmp(reuse, "0") != 0;
+}
+
+// Returns the forward's segment starts (P = Forward, more than one segment), else nothing.
 template <Pass P, typename scalar_t, int DA, int NB>
-void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using namespace tensorcore;
   KernelParams p = params;
   p.rows_are_vectors = rows_are_vectors(p, int64_t(sizeof(scalar_t)));
@@ -909,11 +917,32 @@ void launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaS
   // segments fill one wave and no more: a partial second wave measured slower than fewer segments
   // (8,16,2048,64 bf16 forward, 396 slots: 4 segments 185 us, 2 segments 151 us).
   const int64_t blocks = std::max<int64_t>(pairs * col_tiles, 1);
+  // The dq pass's state is the transpose of the forward's (and its extra row's the forward's key
+  // sum): where the forward kept its segment starts, the dq pass takes its segments and starts
+  // (its own count differs at most where E != M), without the state-only launch and the scan, a
+  // third of the pass (H200 ncu, bf16 8,16,2048,64).
+  if constexpr (P == Pass::GradQ) {
+    if (p.forward_segments > 1 && p.cu_seqlens == nullptr && (!p.normalize || p.forward_segment_k_sum != nullptr) &&
+        reuse_forward_segments()) {
+      p.segments = p.forward_segments;
+      p.segment_len = segment_length(p.L, p.segments, C);
+      TORCH_CHECK((p.L + p.segment_len - 1) / p.segment_len == p.segments, "fast_causal_attn: segment_kv holds ",
+                  p.segments, " segments, which no forward of ", p.L, " timesteps makes");
+      p.seg_from_forward = true;
+      p.seg_state = const_cast<void*>(p.forward_segment_kv);  // read only: no state-only launch
+      p.seg_extra = p.normalize ? const_cast<void*>(p.forward_segment_k_sum) : nullptr;
+      launch_segmented<P>(kernel, p, SegmentWorkspace{}, pairs * col_tiles * p.segments, kThreads, smem, stream, Da,
+                          Dc, col_tiles);
+      return {};
+    }
+  }
   const int64_t segments = p.cu_seqlens != nullptr
                                ? 1
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
+  if constexpr (P == Pass::Forward) return workspace.kept();
+  return {};
 }
 
 constexpr int64_t kMaxTensorCoreRows = 256;
@@ -924,21 +953,22 @@ constexpr bool kTensorCoreInput =
 
 // float16, bfloat16 and float32 (3xTF32) inputs, the state's rows (Da) up to kMaxTensorCoreRows.
 template <Pass P, typename scalar_t>
-void run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
   if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 64) {
-      launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
     } else if (Da <= 128) {
       // float32 at DA = 128 holds one block of 64 columns a multiprocessor (124 KB of shared
       // memory: 4 warps, one a scheduler). Blocks of 32 columns (two a multiprocessor, 97 KB,
       // the scores computed twice as often) measured no faster (H200 fwd+bwd 8,16,2048,128: 5.08
       // ms vs 5.06; 1,16,32768,128: 12.7 vs 12.2) and were removed.
-      launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
     } else {
-      launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
     }
   } else {
     TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16, bfloat16 and float32 inputs");
+    return {};
   }
 }
 
