@@ -806,45 +806,32 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
 
     // S += B^T Cc on this warp's rows of the state (float32 accumulators throughout). The tensor
     // cores add into their accumulator without rounding to nearest (H200: with S accumulated in
-    // them, float32 outputs drifted from float64 in proportion to the chunks summed, 1e-4 at
-    // 1,16,32768,128 where float32 keeps 1e-6). 16-bit inputs end at bf16 or fp16 roundings far
-    // above that; float32 sums each chunk's B^T Cc in fresh accumulators, 16 columns at a time
-    // (the A fragments loaded again for each: registers are what float32 is short of), and adds
-    // them to S with rounded float32 adds.
+    // them, float32 outputs drifted from float64 in proportion to the chunks summed, 9.6e-5 at
+    // 1,16,32768,128, where float32 keeps 1.7e-6 otherwise). 16-bit inputs end at bf16 or fp16
+    // roundings far above that; float32 sums each chunk's B^T Cc in fresh accumulators and adds
+    // them to S with rounded float32 adds (no more registers at DA = 64 and 128: 161 and 250).
     constexpr bool kRoundedStateSums = sizeof(Smem) == 4;
 #pragma unroll
     for (int i = 0; i < kStateTiles; ++i) {
-      if constexpr (kRoundedStateSums) {
+      float fresh[NB / 8][4] = {};
+      float(&sums)[NB / 8][4] = kRoundedStateSums ? fresh : state[i];
+#pragma unroll kUnrollK
+      for (int k = 0; k < C; k += kK) {
+        AFrag a;
+        T::load_a_k_major(a, b_s, state_row0 + 16 * i, k, S::kAB);
 #pragma unroll
         for (int np = 0; np < NB / 16; ++np) {
-          float sums[2][4] = {};
-#pragma unroll kUnrollK
-          for (int k = 0; k < C; k += kK) {
-            AFrag a;
-            T::load_a_k_major(a, b_s, state_row0 + 16 * i, k, S::kAB);
-            BFrag b[2];
-            T::load_b_k_major(b, c_s, k, 16 * np, S::kCS);
-            T::mma(sums[0], a, b[0], tf32);
-            T::mma(sums[1], a, b[1], tf32);
-          }
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) state[i][2 * np + h][e] += sums[h][e];
+          BFrag b[2];
+          T::load_b_k_major(b, c_s, k, 16 * np, S::kCS);
+          T::mma(sums[2 * np], a, b[0], tf32);
+          T::mma(sums[2 * np + 1], a, b[1], tf32);
         }
-      } else {
-#pragma unroll kUnrollK
-        for (int k = 0; k < C; k += kK) {
-          AFrag a;
-          T::load_a_k_major(a, b_s, state_row0 + 16 * i, k, S::kAB);
+      }
+      if constexpr (kRoundedStateSums) {
 #pragma unroll
-          for (int np = 0; np < NB / 16; ++np) {
-            BFrag b[2];
-            T::load_b_k_major(b, c_s, k, 16 * np, S::kCS);
-            T::mma(state[i][2 * np], a, b[0], tf32);
-            T::mma(state[i][2 * np + 1], a, b[1], tf32);
-          }
-        }
+        for (int j = 0; j < NB / 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) state[i][j][e] += fresh[j][e];
       }
     }
 #pragma unroll
