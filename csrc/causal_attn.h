@@ -74,6 +74,10 @@ struct ForwardParams {
   const void* initial_k_sum = nullptr;  // [num_seqs, H, E]
   void* final_kv = nullptr;             // [num_seqs, H, E, M], written
   void* final_k_sum = nullptr;          // [num_seqs, H, E], written
+
+  // Keep the segment starts of a segmented forward for the backward (ForwardSegments in ops.h);
+  // otherwise they are freed with the launch.
+  bool keep_segments = false;
 };
 
 // Gradients of the forward above. With g[t] = dO[t] / den[t] and c[t] = -(g[t] . O[t]) (normalize;

@@ -265,7 +265,8 @@ ForwardSegments checked_segments(const c10::optional<at::Tensor>& kv, const c10:
 ForwardResult causal_attn_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
     const c10::optional<at::Tensor>& initial_k_sum, const c10::optional<at::Tensor>& cu_seqlens, double scale,
-    bool normalize, double eps, c10::string_view layout_name, bool return_final_state, ForwardLauncher launch) {
+    bool normalize, double eps, c10::string_view layout_name, bool return_final_state, bool keep_segments,
+    ForwardLauncher launch) {
   const Layout layout = parse_layout(layout_name);
   check_scalars(scale, eps);
   check_inputs(q, k, v, layout);
@@ -296,6 +297,7 @@ ForwardResult causal_attn_forward(
       p.final_kv = kv1.data_ptr();
       p.final_k_sum = k_sum1.data_ptr();
     }
+    p.keep_segments = keep_segments;
     kept = launch(p);
   }
   // No segments: S = 0, so that the results' ranks never change.
@@ -393,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> causal_at
 
 TORCH_LIBRARY(fast_causal_attn, m) {
   m.def("forward(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens,"
-        " float scale, bool normalize, float eps, str layout, bool return_final_state)"
+        " float scale, bool normalize, float eps, str layout, bool return_final_state, bool keep_segments=False)"
         " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum, Tensor segment_kv, Tensor segment_k_sum)");
   m.def("backward(Tensor grad_out, Tensor? grad_final_kv, Tensor? grad_final_k_sum, Tensor q, Tensor k, Tensor v,"
         " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens, float scale,"

@@ -16,8 +16,9 @@ namespace fast_causal_attn {
 // starts from (the sum of the segments before it), [N * H, segments, E, M], and its key sums
 // [N * H, segments, E] (normalize or a final state), in the accumulation dtype. The dq pass's
 // state is the transpose of the forward's (see BackwardParams), so that its segments can start
-// from these instead of summing K^T V again. Undefined where the forward kept none (one segment,
-// the CPU, families other than the tensor-core one, whose segments are 64 timesteps apart).
+// from these instead of summing K^T V again. Undefined where the forward kept none (not asked to
+// (keep_segments), one segment, the CPU, families other than the tensor-core one, whose segments
+// are 64 timesteps apart).
 struct ForwardSegments {
   at::Tensor kv, k_sum;
 };
@@ -28,13 +29,15 @@ using BackwardLauncher = void (*)(const BackwardParams&);
 // Returns (out, den, final_kv, final_k_sum, segment_kv, segment_k_sum): out in q's layout and
 // dtype; den [B, H, L] in the accumulation dtype when normalize; the final state [N, H, E, M] and
 // [N, H, E] in the accumulation dtype when return_final_state (N = B, or the number of cu_seqlens
-// sequences); the segment starts (see ForwardSegments) as [N * H, S, E, M] and [N * H, S, E], S = 0
-// where there are none. What is not asked for comes back empty.
+// sequences); with keep_segments, the segment starts (see ForwardSegments) as [N * H, S, E, M] and
+// [N * H, S, E], S = 0 where there are none (always without keep_segments). What is not asked for
+// comes back empty.
 using ForwardResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 ForwardResult causal_attn_forward(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
     const c10::optional<at::Tensor>& initial_k_sum, const c10::optional<at::Tensor>& cu_seqlens, double scale,
-    bool normalize, double eps, c10::string_view layout, bool return_final_state, ForwardLauncher launch);
+    bool normalize, double eps, c10::string_view layout, bool return_final_state, bool keep_segments,
+    ForwardLauncher launch);
 
 // Returns (grad_q, grad_k, grad_v, grad_initial_kv, grad_initial_k_sum), the first three in their
 // input's layout and dtype, the last two empty without an initial state. out and den are the
@@ -56,9 +59,9 @@ template <ForwardLauncher launch>
 ForwardResult forward_op(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& initial_kv,
     const c10::optional<at::Tensor>& initial_k_sum, const c10::optional<at::Tensor>& cu_seqlens, double scale,
-    bool normalize, double eps, c10::string_view layout, bool return_final_state) {
+    bool normalize, double eps, c10::string_view layout, bool return_final_state, bool keep_segments) {
   return causal_attn_forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout,
-                             return_final_state, launch);
+                             return_final_state, keep_segments, launch);
 }
 
 template <BackwardLauncher launch>

@@ -49,7 +49,8 @@ def _state_shapes(q, v, layout, cu_seqlens):
 
 
 @torch.library.register_fake("fast_causal_attn::forward")
-def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state):
+def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state,
+                  keep_segments=False):
     _check_same_device(q, k=k, v=v, initial_kv=initial_kv, initial_k_sum=initial_k_sum, cu_seqlens=cu_seqlens)
     acc = _accumulation_dtype(q.dtype)
     # The output has v's shape in either layout, contiguous in that layout.
@@ -58,9 +59,9 @@ def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normali
     kv_shape, k_sum_shape = _state_shapes(q, v, layout, cu_seqlens) if return_final_state else ((0,), (0,))
     # The segment starts kept for the dq pass: how many segments the CUDA kernels split time into
     # depends on the device (its multiprocessors, the kernel's occupancy), so their count is a
-    # size only the real call knows; on the CPU there are none.
+    # size only the real call knows; none without keep_segments, and none on the CPU.
     (N, H, E, M), _ = _state_shapes(q, v, layout, cu_seqlens)
-    if q.device.type == "cuda":
+    if keep_segments and q.device.type == "cuda":
         ctx = torch.library.get_ctx()
         segments, key_sum_segments = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     else:
@@ -81,68 +82,46 @@ def _backward_fake(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den,
             q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc))
 
 
-class _CausalAttention(torch.autograd.Function):
-    """The autograd Function over the ops. Besides out (and the final state) it returns the
-    forward's segment starts, non-differentiable, which the backward hands the dq pass: their
-    count is a size only the CUDA call knows, and torch.compile takes such a size only from a
-    Function's outputs, not from what it keeps for the backward alone. CausalDotProduct.apply
-    drops them."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale, normalize, eps, layout, initial_kv, initial_k_sum, return_final_state,
-                cu_seqlens):
-        out, den, final_kv, final_k_sum, segment_kv, segment_k_sum = _forward(
-            q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state)
-        ctx.save_for_backward(q, k, v, out if normalize else None, den if normalize else None, initial_kv,
-                              initial_k_sum, cu_seqlens, segment_kv, segment_k_sum)
-        ctx.scale, ctx.normalize, ctx.layout = scale, normalize, layout
-        ctx.return_final_state = return_final_state
-        ctx.mark_non_differentiable(segment_kv, segment_k_sum)
-        ctx.set_materialize_grads(False)  # no zeros made for the segment starts (or an unused final state)
-        if return_final_state:
-            return out, final_kv, final_k_sum, segment_kv, segment_k_sum
-        return out, segment_kv, segment_k_sum
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, *grads):
-        q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens, segment_kv, segment_k_sum = ctx.saved_tensors
-        grad_final_kv, grad_final_k_sum = grads[:2] if ctx.return_final_state else (None, None)
-        if grad_out is None:  # only the final state was used
-            grad_out = torch.zeros_like(v)  # out has v's shape, layout and dtype
-        if (grad_final_kv is None) != (grad_final_k_sum is None):  # one of the two was used
-            kv_shape, k_sum_shape = _state_shapes(q, v, ctx.layout, cu_seqlens)
-            if grad_final_kv is None:
-                grad_final_kv = grad_final_k_sum.new_zeros(kv_shape)
-            else:
-                grad_final_k_sum = grad_final_kv.new_zeros(k_sum_shape)
-        grad_q, grad_k, grad_v, grad_kv, grad_k_sum = _backward(
-            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens,
-            ctx.scale, ctx.normalize, ctx.layout, segment_kv, segment_k_sum)
-        if initial_kv is None:
-            grad_kv = grad_k_sum = None
-        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None, None
-
-
-class CausalDotProduct:
+class CausalDotProduct(torch.autograd.Function):
     """Differentiable causal linear attention over the registered ops.
 
-    ``CausalDotProduct.apply(q, k, v)`` is a drop-in for fast-transformers' autograd Function of the
-    same name (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of the
-    op. With return_final_state it returns (out, final_kv, final_k_sum), else out.
+    ``CausalDotProduct.apply(q, k, v)`` is a drop-in for fast-transformers' class of the same name
+    (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of the op. With
+    return_final_state it returns (out, final_kv, final_k_sum), else out.
     """
-
-    @staticmethod
-    def apply(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
-              return_final_state=False, cu_seqlens=None):
-        result = _CausalAttention.apply(q, k, v, scale, normalize, eps, layout, initial_kv, initial_k_sum,
-                                        return_final_state, cu_seqlens)
-        return result[:3] if return_final_state else result[0]
 
     @staticmethod
     def run(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
             return_final_state=False, cu_seqlens=None):
         """The forward alone, with apply's arguments and results, for calls no gradient flows through."""
         out, _, final_kv, final_k_sum, _, _ = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale,
-                                                       normalize, eps, layout, return_final_state)
+                                                       normalize, eps, layout, return_final_state, False)
         return (out, final_kv, final_k_sum) if return_final_state else out
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
+                initial_k_sum=None, return_final_state=False, cu_seqlens=None):
+        # The forward's segment starts, from which the dq pass starts its own segments (CUDA), are
+        # kept in eager mode only: under torch.compile their count, which the device decides, would
+        # be a size only the real call knows, and such a size keeps CUDA graphs (mode=
+        # "reduce-overhead") off the whole graph. Compiled, the dq pass sums its segments itself.
+        keep_segments = not torch.compiler.is_compiling()
+        out, den, final_kv, final_k_sum, segment_kv, segment_k_sum = _forward(
+            q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state,
+            keep_segments)
+        ctx.save_for_backward(q, k, v, out if normalize else None, den if normalize else None, initial_kv,
+                              initial_k_sum, cu_seqlens, segment_kv, segment_k_sum)
+        ctx.scale, ctx.normalize, ctx.layout = scale, normalize, layout
+        ctx.return_final_state = return_final_state
+        return (out, final_kv, final_k_sum) if return_final_state else out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_final_kv=None, grad_final_k_sum=None):
+        q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens, segment_kv, segment_k_sum = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_kv, grad_k_sum = _backward(
+            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens,
+            ctx.scale, ctx.normalize, ctx.layout, segment_kv, segment_k_sum)
+        if initial_kv is None:
+            grad_kv = grad_k_sum = None
+        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None, None

@@ -176,7 +176,7 @@ def test_grad_q_from_forward_segments(shape, with_state, normalize, dtype, devic
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device=device, normalize=normalize)
     state = tuple(x.to(device) for x in make_state(B, H, E, M, dtype, normalize)) if with_state else (None, None)
     segment_kv, segment_k_sum = torch.ops.fast_causal_attn.forward(q, k, v, *state, None, 0.8, normalize, 1e-6,
-                                                                   "bhld", with_state)[4:]
+                                                                   "bhld", with_state, True)[4:]
     assert segment_kv.shape[:1] + segment_kv.shape[2:] == (B * H, E, M) and segment_kv.shape[1] > 1
     assert segment_k_sum.shape == ((B * H, segment_kv.shape[1], E) if normalize or with_state else (B * H, 0, E))
     if not with_state:

@@ -45,9 +45,11 @@ segment_lengths = pytest.mark.parametrize("L", [70, SEGMENTED_L], ids=["short", 
 
 @op_cases
 @segment_lengths
-def test_opcheck_forward(layout, normalize, with_state, device, L):
+@pytest.mark.parametrize("keep_segments", [False, True], ids=["drop_segments", "keep_segments"])
+def test_opcheck_forward(layout, normalize, with_state, device, L, keep_segments):
     q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device, L)
-    torch.library.opcheck(ops.forward.default, (q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state))
+    torch.library.opcheck(ops.forward.default,
+                          (q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6, layout, with_state, keep_segments))
 
 
 @op_cases
@@ -56,9 +58,9 @@ def test_opcheck_forward(layout, normalize, with_state, device, L):
 def test_opcheck_backward(layout, normalize, with_state, device, L, with_segments):
     q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device, L)
     out, den, kv1, k_sum1, segment_kv, segment_k_sum = ops.forward(q, k, v, kv0, k_sum0, None, 0.5, normalize, 1e-6,
-                                                                   layout, with_state)
-    if device == "cuda" and L == SEGMENTED_L:  # the case that has them (key sums: normalize or a final state)
-        assert segment_kv.shape[1] > 1
+                                                                   layout, with_state, with_segments)
+    if device == "cuda" and L == SEGMENTED_L and with_segments:  # the case that has them
+        assert segment_kv.shape[1] > 1  # and key sums with normalize or a final state:
         assert segment_k_sum.shape[1] == (segment_kv.shape[1] if normalize or with_state else 0)
     grad_out = torch.randn_like(out)
     grad_final = (torch.randn_like(kv1), torch.randn_like(k_sum1)) if with_state else (None, None)
@@ -103,6 +105,33 @@ def test_torch_compile_inductor(device, L):
     compiled = torch.compile(f, fullgraph=True)
     loss = compiled(q, k, v)
     grads = torch.autograd.grad(loss, (q, k, v))
+    eager_loss = f(q, k, v)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    torch.testing.assert_close(loss, eager_loss)
+    for c, e in zip(grads, eager_grads):
+        torch.testing.assert_close(c, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@segment_lengths
+def test_torch_compile_keeps_cuda_graphs(L):
+    """mode="reduce-overhead" captures a training step through the ops in CUDA graphs: nothing in
+    the graph has a size only the real call knows (the forward keeps its segment starts for the
+    dq pass in eager mode only; their count is the device's choice)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def f(q, k, v):
+        return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
+
+    q, k, v = (x.requires_grad_() for x in op_inputs("cuda", "bhld", False, L=L))
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, recording, replay
+        loss = compiled(q, k, v)
+        grads = torch.autograd.grad(loss, (q, k, v))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     eager_loss = f(q, k, v)
     eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
     torch.testing.assert_close(loss, eager_loss)

@@ -886,7 +886,8 @@ inline bool reuse_forward_segments() {
   return reuse == nullptr || std::strcmp(reuse, "0") != 0;
 }
 
-// Returns the forward's segment starts (P = Forward, more than one segment), else nothing.
+// Returns the forward's segment starts (P = Forward, more than one segment, keep_segments), else
+// nothing.
 template <Pass P, typename scalar_t, int DA, int NB>
 ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using namespace tensorcore;
@@ -957,7 +958,9 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
-  if constexpr (P == Pass::Forward) return workspace.kept();
+  if constexpr (P == Pass::Forward) {
+    if (p.keep_segments) return workspace.kept();
+  }
   return {};
 }
 
