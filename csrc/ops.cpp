@@ -240,7 +240,7 @@ ForwardSegments checked_segments(const c10::optional<at::Tensor>& kv, const c10:
   auto check = [&](const at::Tensor& t, const char* name, std::vector<int64_t> shape, const char* dims) {
     shape[1] = t.dim() == int64_t(shape.size()) ? t.size(1) : 0;  // any segment count
     TORCH_CHECK(t.sizes() == at::IntArrayRef(shape), "fast_causal_attn: ", name, " must have shape ", dims,
-                " with ", dims[1] == 'N' ? "N * H = " : "", pairs, " (the forward's result), got ", t.sizes());
+                " with N * H = ", pairs, " (the forward's result), got ", t.sizes());
     TORCH_CHECK(t.scalar_type() == dtype && t.device() == q.device(), "fast_causal_attn: ", name, " must be ", dtype,
                 " on ", q.device(), ", got ", t.scalar_type(), " on ", t.device());
     TORCH_CHECK(t.is_contiguous(), "fast_causal_attn: ", name, " must be contiguous (the forward's result)");
@@ -302,8 +302,8 @@ ForwardResult causal_attn_forward(
   }
   // No segments: S = 0, so that the results' ranks never change.
   const int64_t pairs = seqs.count * qb.size(1), E = qb.size(3), M = vb.size(3);
-  at::Tensor segment_kv = kept.kv.defined() ? kept.kv : at::empty({pairs, 0, E, M}, acc);
-  at::Tensor segment_k_sum = kept.k_sum.defined() ? kept.k_sum : at::empty({pairs, 0, E}, acc);
+  const at::Tensor segment_kv = kept.kv.defined() ? kept.kv : at::empty({pairs, 0, E, M}, acc);
+  const at::Tensor segment_k_sum = kept.k_sum.defined() ? kept.k_sum : at::empty({pairs, 0, E}, acc);
   return {as_bhld(ob, layout), den, kv1, k_sum1, segment_kv, segment_k_sum};
 }
 
@@ -399,8 +399,8 @@ TORCH_LIBRARY(fast_causal_attn, m) {
         " -> (Tensor out, Tensor den, Tensor final_kv, Tensor final_k_sum, Tensor segment_kv, Tensor segment_k_sum)");
   m.def("backward(Tensor grad_out, Tensor? grad_final_kv, Tensor? grad_final_k_sum, Tensor q, Tensor k, Tensor v,"
         " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens, float scale,"
-        " bool normalize, str layout, Tensor? segment_kv=None, Tensor? segment_k_sum=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv,"
-        " Tensor grad_initial_k_sum)");
+        " bool normalize, str layout, Tensor? segment_kv=None, Tensor? segment_k_sum=None)"
+        " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv, Tensor grad_initial_k_sum)");
 }
 
 #ifndef FAST_CAUSAL_ATTN_WITH_CUDA
