@@ -11,6 +11,8 @@
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
+#   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
+#                               # one sanitizer on some of the subsets
 #   STAGES="wgmma" ...          # the wgmma forward prototypes checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
 #
@@ -80,7 +82,9 @@ fi
 
 if has sanitize; then
   # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
+  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all four)
   sanitize() {
+    [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
       compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$2" \
         -p no:cacheprovider >"$OUT/sanitize_$1_$tool.log" 2>&1
