@@ -237,11 +237,12 @@ inline int64_t segment_length(int64_t L, int64_t segments, int64_t step) {
 
 // The workspace of a segmented launch: each segment's state sum_s b[s] c[s]^T, and its sums of b
 // (forward normalize) and of extra_b * c (gradients under normalize). Sets p's segments,
-// segment_len (a multiple of step) and workspace pointers. One allocation holds the three regions
-// (each 16-byte aligned, for the scan's vector loads), none with one segment: every allocation is
-// host time on each call, which small shapes' forward+backward is bound by. The forward's two
-// regions are tensors of their own, [B * H, segments, Da, Dc] and [B * H, segments, Da], so that
-// the op can return them for the dq pass (kept()).
+// segment_len (a multiple of step) and workspace pointers. The gradients' passes take one
+// allocation for their state and extra-row regions (each 16-byte aligned, for the scan's vector
+// loads), none with one segment: every allocation is host time on each call, which small shapes'
+// forward+backward is bound by. The forward's two regions are tensors of their own,
+// [B * H, segments, Da, Dc] and [B * H, segments, Da], so that the op can return them for the dq
+// pass (kept()).
 struct SegmentWorkspace {
   struct Region {
     void* data = nullptr;
@@ -268,18 +269,13 @@ struct SegmentWorkspace {
           w.key_sum_buffer = at::empty({pairs, p.segments, Da}, options);
           w.key_sum = {w.key_sum_buffer.data_ptr(), w.key_sum_buffer.numel()};
         }
-      } else {
-        Region* regions[3] = {&w.state, &w.key_sum, &w.extra};
-        const int64_t sizes[3] = {n * Da * Dc, 0, p.normalize ? n * Dc : 0};
+      } else {  // the state, then the extra row's sums (normalize) 16-byte aligned behind it
         constexpr int64_t kAlign = 16 / sizeof(acc_t);
-        auto padded = [](int64_t x) { return (x + kAlign - 1) / kAlign * kAlign; };
-        w.buffer = at::empty({padded(sizes[0]) + padded(sizes[1]) + padded(sizes[2])}, options);
-        acc_t* next = w.buffer.data_ptr<acc_t>();
-        for (int i = 0; i < 3; ++i) {
-          regions[i]->numel = sizes[i];
-          regions[i]->data = sizes[i] > 0 ? next : nullptr;
-          next += padded(sizes[i]);
-        }
+        const int64_t state_numel = n * Da * Dc, extra_at = (state_numel + kAlign - 1) / kAlign * kAlign;
+        const int64_t extra_numel = p.normalize ? n * Dc : 0;
+        w.buffer = at::empty({extra_at + extra_numel}, options);
+        w.state = {w.buffer.data_ptr(), state_numel};
+        if (extra_numel > 0) w.extra = {w.buffer.data_ptr<acc_t>() + extra_at, extra_numel};
       }
       p.seg_state = w.state.data;
       p.seg_key_sum = w.key_sum.data;
