@@ -9,7 +9,8 @@
 // rows 16w .. 16w + 15: its scores (a 16 x 64 accumulator) are masked,
 // take the extra row and the normalizer's row sums in registers, and become the A operand of
 // P Cc without leaving registers. The state S (DA x NB, float32) is split by rows over the warps,
-// also in accumulators; a copy in shared memory serves the A S product of the next chunk.
+// also in accumulators; a copy in shared memory (bfloat16: two parts, see kStateParts) serves the
+// A S product of the next chunk.
 //
 // float16 and bfloat16: one m16n8k16 MMA a step, operands (and the state copy) 16-bit, loaded
 // with ldmatrix from rows padded by 16 bytes; float16's copy is scaled by a power of two where the
@@ -95,6 +96,16 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   using Smem = scalar_t;
   static constexpr int kK = 16;
   static constexpr int kPadAB = 8, kPadC = 8, kPadS = 8;  // 16-byte row padding: conflict-free ldmatrix
+  // bfloat16 keeps the state's copy as two bfloat16 parts, S = hi + lo (hi = S rounded, lo = the
+  // remainder rounded), and multiplies both. Rounded to one bfloat16, the copy took the outputs
+  // from 1.66e-3 (the outputs' own rounding) to 2.35e-3 relative error vs float64 (H200, every
+  // issue shape; fla's chunk and fused_chunk: 2.35e-3 too), over the 2.3e-3 issue 5 holds bfloat16
+  // to; with two parts 1.66e-3 - 1.69e-3. The cost (H200 GPU busy, fwd+bwd): +10-14% at DA = 64
+  // (the A S product's MMAs doubled), +25% at DA = 128, where with the second part's 18 KB two
+  // blocks a multiprocessor fit only one chunk buffer (the launcher's pick; two buffers fit one
+  // block). float16's copy rounds 8x finer (2.93e-4
+  // measured against its own 2.08e-4): one part.
+  static constexpr int kStateParts = std::is_same_v<scalar_t, at::BFloat16> ? 2 : 1;
   struct AFrag {
     uint32_t r[4];
   };
@@ -147,6 +158,15 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   }
   // Two adjacent elements of the state copy (col even).
   __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack(lo, hi); }
+  // The same as kStateParts parts: part p of the copy at dst + p * part_stride (see kStateParts).
+  __device__ static void store_state_pair(Smem* dst, size_t part_stride, float x, float y) {
+    const uint32_t head = pack(x, y);
+    *reinterpret_cast<uint32_t*>(dst) = head;
+    if constexpr (kStateParts == 2) {
+      *reinterpret_cast<uint32_t*>(dst + part_stride) =
+          pack(x - to_float(uint16_t(head & 0xffffu)), y - to_float(uint16_t(head >> 16)));
+    }
+  }
   // The two elements of a 32-bit word, each times f, rounded back.
   __device__ static uint32_t scale_word(uint32_t w, float f) {
     return pack(to_float(uint16_t(w & 0xffffu)) * f, to_float(uint16_t(w >> 16)) * f);
@@ -258,9 +278,11 @@ struct MmaTraits<float> {
     }
     mma_tf32(d, a.hi, b.hi);
   }
+  static constexpr int kStateParts = 1;  // the copy is float32
   __device__ static void store_pair(Smem* dst, float lo, float hi) {
     *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
   }
+  __device__ static void store_state_pair(Smem* dst, size_t, float x, float y) { store_pair(dst, x, y); }
   __device__ static uint32_t scale_word(uint32_t w, float f) { return __float_as_uint(__uint_as_float(w) * f); }
 };
 
@@ -275,8 +297,9 @@ struct Layout {
   static constexpr int kCS = NB + T::kPadC;
   static constexpr int kSS = NB + T::kPadS;
   static constexpr size_t kElem = sizeof(Smem);
-  static constexpr size_t s_copy = 0;                                   // [DA][kSS]: the state entering the chunk
-  static constexpr size_t extra_state = size_t(DA) * kSS * kElem;      // [NB] float
+  static constexpr size_t s_copy = 0;  // [kStateParts][DA][kSS]: the state entering the chunk
+  static constexpr size_t s_part = size_t(DA) * kSS;                       // elements between its parts
+  static constexpr size_t extra_state = T::kStateParts * s_part * kElem;  // [NB] float
   static constexpr size_t key_sum = extra_state + NB * 4;               // [DA]
   static constexpr size_t warp_max = key_sum + DA * 4;                       // [kWarps] float
   static constexpr size_t buffers = (warp_max + kWarps * 4 + 15) / 16 * 16;  // the chunk buffers
@@ -312,10 +335,11 @@ __device__ __forceinline__ void for_each_accumulator(int row0, F f) {
 }
 
 // acc (16 rows, kTiles n-tiles of 8 columns) += 16 rows of A (a_s from row0, row stride ld) times
-// B over k = 0 .. DA: load_b(b, k, pair) loads B's 16 columns of tiles 2 pair and 2 pair + 1;
+// B over k = 0 .. DA: load_b(b, k, pair, part) loads part `part` (of kParts: the state copy's
+// parts, see MmaTraits::kStateParts; 1 elsewhere) of B's 16 columns of tiles 2 pair and 2 pair + 1;
 // pairs with skip(pair) are left out (wholly outside the causal mask). kUnroll: how far the
 // k-loop unrolls.
-template <typename T, int DA, int kUnroll, int kTiles, typename LoadB, typename Skip>
+template <typename T, int DA, int kUnroll, int kTiles, int kParts = 1, typename LoadB, typename Skip>
 __device__ __forceinline__ void accumulate_a_rows(float (&acc)[kTiles][4], const typename T::Smem* a_s, int row0,
                                                   int ld, bool tf32, LoadB load_b, Skip skip) {
   constexpr int kPairs = kTiles / 2;
@@ -326,10 +350,13 @@ __device__ __forceinline__ void accumulate_a_rows(float (&acc)[kTiles][4], const
 #pragma unroll
     for (int pair = 0; pair < kPairs; ++pair) {
       if (skip(pair)) continue;
-      typename T::BFrag b[2];
-      load_b(b, k, pair);
-      T::mma(acc[2 * pair], a, b[0], tf32);
-      T::mma(acc[2 * pair + 1], a, b[1], tf32);
+#pragma unroll
+      for (int part = kParts - 1; part >= 0; --part) {  // the small part first
+        typename T::BFrag b[2];
+        load_b(b, k, pair, part);
+        T::mma(acc[2 * pair], a, b[0], tf32);
+        T::mma(acc[2 * pair + 1], a, b[1], tf32);
+      }
     }
   }
 }
@@ -484,6 +511,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   using BFrag = typename T::BFrag;
   constexpr bool kReverse = PassTraits<P>::kReverse;
   constexpr int kK = T::kK;                        // the MMA's depth
+  constexpr int kStateParts = T::kStateParts;      // the state copy's parts
   constexpr int kStateTiles = DA / (16 * kWarps);  // 16-row tiles of the state a warp owns
   // The k-loops over shared memory stay rolled for float32: unrolled, the split fragments of
   // several steps in flight spill at DA = 128.
@@ -590,7 +618,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = state_row0 + 16 * i + g + h * 8, col = 8 * j + 2 * q;
-          T::store_pair(s_copy + row * S::kSS + col, state[i][j][2 * h] * inverse, state[i][j][2 * h + 1] * inverse);
+          T::store_state_pair(s_copy + row * S::kSS + col, S::s_part, state[i][j][2 * h] * inverse,
+                              state[i][j][2 * h + 1] * inverse);
         }
 #pragma unroll
     for (int i = 0; i < kKeys; ++i) {
@@ -716,7 +745,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       float score[C / 8][4] = {};
       accumulate_a_rows<T, DA, kUnrollK>(
           score, a_s, 16 * warp, S::kAB, tf32,
-          [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB); },
+          [&](BFrag(&b)[2], int k, int pair, int) { T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB); },
           [&](int pair) { return kReverse ? pair < warp : pair > warp; });
 
       // The mask; then the normalizer's row sums (of the masked float scores) and the extra row,
@@ -751,9 +780,11 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       // Outputs A S + P Cc: A S first, so that it alone is scaled back from the state copy's scale;
       // the masked scores are the A operand of P Cc straight from registers.
       float out[NB / 8][4] = {};
-      accumulate_a_rows<T, DA, kUnrollK>(
+      accumulate_a_rows<T, DA, kUnrollK, NB / 8, kStateParts>(
           out, a_s, 16 * warp, S::kAB, tf32,
-          [&](BFrag(&b)[2], int k, int pair) { T::load_b_k_major(b, s_copy, k, 16 * pair, S::kSS); },
+          [&](BFrag(&b)[2], int k, int pair, int part) {
+            T::load_b_k_major(b, s_copy + part * S::s_part, k, 16 * pair, S::kSS);
+          },
           [](int) { return false; });
       scale_back(out);
       accumulate_scores_times(out, score, c_s, S::kCS);
@@ -787,15 +818,17 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
         float score_v[C / 8][4] = {};
         accumulate_a_rows<T, DA, kUnrollK>(
             score_v, buf.a2, 16 * warp, S::kAB, tf32,
-            [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, c_s, 16 * pair, k, S::kCS); },
+            [&](BFrag(&b)[2], int k, int pair, int) { T::load_b_n_major(b, c_s, 16 * pair, k, S::kCS); },
             [&](int pair) { return pair < warp; });
         for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
           if (col < row) score_v[j][e] = 0.f;
         });
         float out_v[NB / 8][4] = {};
-        accumulate_a_rows<T, DA, kUnrollK>(
+        accumulate_a_rows<T, DA, kUnrollK, NB / 8, kStateParts>(
             out_v, buf.a2, 16 * warp, S::kAB, tf32,
-            [&](BFrag(&b)[2], int k, int pair) { T::load_b_n_major(b, s_copy, 16 * pair, k, S::kSS); },
+            [&](BFrag(&b)[2], int k, int pair, int part) {
+              T::load_b_n_major(b, s_copy + part * S::s_part, 16 * pair, k, S::kSS);
+            },
             [](int) { return false; });
         scale_back(out_v);
         accumulate_scores_times(out_v, score_v, b_s, S::kAB);
