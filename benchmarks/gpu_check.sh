@@ -82,7 +82,7 @@ fi
 
 if has sanitize; then
   # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
-  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all four)
+  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all five)
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
@@ -93,6 +93,8 @@ if has sanitize; then
       status=$(( status | rc ))
     done
   }
+  # bfloat16's two-part state copy at DA = 128 (one chunk buffer, two blocks a multiprocessor)
+  sanitize bf16_parts "test_bfloat16_holds_the_issue_accuracy and B1H2L2048E128M128"
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, two in float32)
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"

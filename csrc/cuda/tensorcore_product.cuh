@@ -1013,7 +1013,9 @@ ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cu
       // float32 at DA = 128 holds one block of 64 columns a multiprocessor (124 KB of shared
       // memory: 4 warps, one a scheduler). Blocks of 32 columns (two a multiprocessor, 97 KB,
       // the scores computed twice as often) measured no faster (H200 fwd+bwd 8,16,2048,128: 5.08
-      // ms vs 5.06; 1,16,32768,128: 12.7 vs 12.2) and were removed.
+      // ms vs 5.06; 1,16,32768,128: 12.7 vs 12.2) and were removed. Slower for bfloat16 too, whose
+      // two-part state copy leaves two blocks of 64 columns one chunk buffer (GPU busy fwd+bwd,
+      // 32 / 64 columns: 8,16,2048,128 1.013 / 0.725 ms, 1,16,32768,128 2.259 / 1.746).
       return launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
     } else {
       return launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
