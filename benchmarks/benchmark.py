@@ -129,6 +129,24 @@ def kernel_breakdown(fn, iters=20):
     return sum(ms for ms, _, _ in parts), parts
 
 
+def graph_ms(fn):
+    """The GPU's wall time of one fn() call (ms) with no host work in it: fn captured once in a
+    CUDA graph, the replays' do_bench median. Where kernels overlap (a pass launched as the
+    programmatic dependent of the one before), the sum of their durations (kernel_breakdown)
+    counts the overlap twice; this does not."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=100, rep=200, return_mode="median")
+
+
 def host_ms(fn, iters=20):
     """The host's time to issue one fn() call (ms): iters calls back to back, the GPU not waited
     for (few enough launches not to fill its queue). Beside the GPU's busy time it tells a call
@@ -162,8 +180,9 @@ def main():
                              "'FAST_CAUSAL_ATTN_TC_BUFFERS=1,2;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
     parser.add_argument("--kernel-time", action="store_true",
                         help="on CUDA, also profile each of this library's methods: the GPU's busy time per call, "
-                             "its kernels and the host's time to issue the call (host work and launch gaps are "
-                             "the rest of the median)")
+                             "its kernels, the host's time to issue the call (host work and launch gaps are "
+                             "the rest of the median) and the call's time replayed from a CUDA graph (no host "
+                             "work; overlapping kernels counted once)")
     parser.add_argument("--accuracy", action="store_true",
                         help="also each method's relative error (output, dq, dk, dv) against float64 on the same "
                              "rounded inputs (issue 5: bf16 <= 2.3e-3, fp32 <= 1e-5)")
@@ -275,19 +294,22 @@ def main():
                 if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
                     os.environ.update(families.get(name, {}))
                     try:
-                        busy, host = {}, {}
+                        busy, host, graph = {}, {}, {}
                         for what, call in zip(("fwd", "fwd+bwd"), calls(fn, q, k, v, dout)):
                             busy[what], parts = kernel_breakdown(call)
                             host[what] = host_ms(call)
+                            graph[what] = graph_ms(call)
                             for ms, launches, kernel in parts[:6]:
                                 print(f"{'':34} {what:>7} {ms:8.4f} ms {launches:4.1f}x {kernel[:90]}")
                     finally:
                         for variable in families.get(name, {}):
                             os.environ.pop(variable, None)
                     rows[-1].update(busy_fwd_ms=busy["fwd"], busy_fwd_bwd_ms=busy["fwd+bwd"],
-                                    host_fwd_ms=host["fwd"], host_fwd_bwd_ms=host["fwd+bwd"])
+                                    host_fwd_ms=host["fwd"], host_fwd_bwd_ms=host["fwd+bwd"],
+                                    graph_fwd_ms=graph["fwd"], graph_fwd_bwd_ms=graph["fwd+bwd"])
                     print(f"{'':34} GPU busy per call: {busy['fwd']:.3f} / {busy['fwd+bwd']:.3f} ms; "
-                          f"host per call: {host['fwd']:.3f} / {host['fwd+bwd']:.3f} ms", flush=True)
+                          f"host per call: {host['fwd']:.3f} / {host['fwd+bwd']:.3f} ms; "
+                          f"CUDA graph replay: {graph['fwd']:.3f} / {graph['fwd+bwd']:.3f} ms", flush=True)
 
     if args.warm_peers:
         return
