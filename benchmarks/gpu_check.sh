@@ -13,7 +13,7 @@
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
 #                               # one sanitizer on some of the subsets
-#   STAGES="wgmma" ...          # the wgmma forward prototypes checked and timed (wgmma_forward.py);
+#   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
@@ -125,7 +125,7 @@ if has host; then  # the host's time to issue a call, by op and CUDA runtime cal
   python benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_profile.log"
 fi
 
-if has wgmma; then  # the wgmma (sm_90a) forward prototypes checked and timed; WGMMA_PROBE=1 first
+if has wgmma; then  # the wgmma (sm_90a) forward prototype checked and timed; WGMMA_PROBE=1 first
   # reruns the layout probe (settled on the H200 in the eighth session: the PTX ISA's order)
   [[ "${WGMMA_PROBE:-0}" == 1 ]] && python benchmarks/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log"
   python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log"

@@ -51,22 +51,6 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
       : WGMMA_D32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
 }
-#define WGMMA_D16(d)                                                                                         \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-#define WGMMA_D16_LIST "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-// The same as mma_ss for a 64 x 32 d (n-tiles j = 0..3 in d[4j ..]): B has 32 columns (N).
-template <int kTransA, int kTransB>
-__device__ __forceinline__ void mma_ss_n32(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " WGMMA_D16_LIST
-      ", %16, %17, p, 1, 1, %19, %20;\n}\n"
-      : WGMMA_D16(d)
-      : "l"(a), "l"(b), "r"(1), "n"(kTransA), "n"(kTransB));
-}
-#undef WGMMA_D16
-#undef WGMMA_D16_LIST
 #undef WGMMA_D32
 #undef WGMMA_D32_LIST
 

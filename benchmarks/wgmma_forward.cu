@@ -15,7 +15,8 @@
 // 1024 along r. Along c is K for Q and K as score operands, along r is K for K and V in K^T V and
 // for V in P V (MN-major operands). The descriptor encoding (which offset is "leading") follows
 // the PTX ISA, or the other way round (kSwapOffsets); benchmarks/wgmma_probe.py checks both.
-// wgmma_forward2_kernel below does the same with two warpgroups a block and chunks of 128.
+// A two-warpgroup variant (chunks of 128, eight warps a multiprocessor) measured no faster on the
+// H200 and was removed (benchmarks/RESULTS.md, ninth session; its code: git history).
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -66,36 +67,33 @@ __device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int
   }
 }
 
-// A warpgroup's accumulator of NT n-tiles, as wgmma lays it out: warp w rows 16 w + g (+8), n-tile
-// j columns col0 + 8 j + 2 q4 (+1) in d[4 j ..] (g = lane / 4, q4 = lane % 4). The state's
-// columns col0 .. from a float32 [64][64] slot, to it, and to the state's bf16 copy in the staged
-// tile layout (element (e, m) at (e / 8) 1024 + (m / 8) 128 + (e % 8) 16 + (m % 8) 2 bytes).
-template <int NT>
-__device__ __forceinline__ void load_state(float (&d)[4 * NT], const float* slot, int col0) {
+// A warpgroup's 64 x 64 accumulator, as wgmma lays it out: warp w rows 16 w + g (+8), n-tile j
+// columns 8 j + 2 q4 (+1) in d[4 j ..] (g = lane / 4, q4 = lane % 4). The state from a float32
+// [64][64] slot, to it, and to the state's bf16 copy in the staged tile layout (element (e, m) at
+// (e / 8) 1024 + (m / 8) 128 + (e % 8) 16 + (m % 8) 2 bytes).
+__device__ __forceinline__ void load_state(float (&d)[32], const float* slot) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      d[4 * j + e] = slot != nullptr ? slot[(16 * warp + g + 8 * (e / 2)) * D + col0 + 8 * j + 2 * q4 + e % 2] : 0.f;
+      d[4 * j + e] = slot != nullptr ? slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] : 0.f;
     }
 }
-template <int NT>
-__device__ __forceinline__ void store_state(const float (&d)[4 * NT], float* slot, int col0) {
+__device__ __forceinline__ void store_state(const float (&d)[32], float* slot) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) slot[(16 * warp + g + 8 * (e / 2)) * D + col0 + 8 * j + 2 * q4 + e % 2] = d[4 * j + e];
+    for (int e = 0; e < 4; ++e) slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] = d[4 * j + e];
 }
-template <int NT>
-__device__ __forceinline__ void publish_state(const float (&d)[4 * NT], uint32_t state_copy, int col0) {
+__device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t state_copy) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int e = 16 * warp + g + 8 * h, m = col0 + 8 * j + 2 * q4;
+      const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
       const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
       asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(wgmma::pack(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]))
                    : "memory");
@@ -103,15 +101,14 @@ __device__ __forceinline__ void publish_state(const float (&d)[4 * NT], uint32_t
 }
 
 // A 64 x 64 block of scores as the bf16 A fragments of P V (each warp its 16 rows in mma.sync's
-// m16n8k16 A layout), zero where column > row + shift: 0 the causal mask, 64 none, -64 all (a
-// mask instead of a branch on the warpgroup: wgmma under one are serialized, ptxas C7520).
-__device__ __forceinline__ void pack_scores(float (&score)[32], uint32_t (&p)[4][4], int shift) {
+// m16n8k16 A layout), zero above the diagonal (the causal mask: row t, column s, s <= t kept).
+__device__ __forceinline__ void pack_scores(float (&score)[32], uint32_t (&p)[4][4]) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (8 * j + 2 * q4 + e % 2 > 16 * warp + g + 8 * (e / 2) + shift) score[4 * j + e] = 0.f;
+      if (8 * j + 2 * q4 + e % 2 > 16 * warp + g + 8 * (e / 2)) score[4 * j + e] = 0.f;
     }
 #pragma unroll
   for (int s = 0; s < 4; ++s)
@@ -177,8 +174,8 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   // The state (columns 0 .. 63, see load_state); its bf16 copy is read by the next chunk's Q S.
   float state[32];
   float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
-  load_state<8>(state, kStateOnly ? nullptr : slot, 0);
-  auto publish = [&] { publish_state<8>(state, state_copy, 0); };
+  load_state(state, kStateOnly ? nullptr : slot);
+  auto publish = [&] { publish_state(state, state_copy); };
   if (!kStateOnly) publish();
 
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -213,7 +210,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
 
     uint32_t p[4][4];
-    pack_scores(score, p, 0);  // causal mask (row t, column s: s <= t)
+    pack_scores(score, p);
     wgmma::fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
@@ -224,136 +221,17 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
-  if constexpr (kStateOnly) store_state<8>(state, slot, 0);
+  if constexpr (kStateOnly) store_state(state, slot);
 }
-
-// The same forward with two warpgroups a block and chunks of C2 = 128 timesteps: warpgroup h
-// owns rows 64 h .. 64 h + 63 of the chunk (its half: Q_h, K_h, V_h, staged by it) and columns
-// 32 h .. 32 h + 31 of the state. Per chunk,
-//
-//   h = 0: O_0 = Q_0 S + mask(Q_0 K_0^T) V_0
-//   h = 1: O_1 = Q_1 S + (Q_1 K_0^T) V_0 + mask(Q_1 K_1^T) V_1
-//   both:  S[:, 32 h ..] += K_0^T V_0[:, 32 h ..] + K_1^T V_1[:, 32 h ..]   (m64n32k16)
-//
-// Twice the work between two block barriers and 8 warps a multiprocessor, where the one-warpgroup
-// kernel keeps 4 (one (batch, head) a multiprocessor at 8,16,2048: latency-bound, 2.0x the floor).
-constexpr int C2 = 2 * C;
 
 template <int kStages, bool kStateOnly>
-__global__ void __launch_bounds__(256) wgmma_forward2_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
-                                                             const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L,
-                                                             int64_t segments, int64_t segment_len, float* states) {
-  extern __shared__ __align__(1024) unsigned char smem[];
-  // [kStages][Q, K, V][half] tiles, then the state's bf16 copy, then each warpgroup's output rows.
-  const uint32_t base = wgmma::smem_address(smem);
-  const uint32_t state_copy = base + kStages * 6 * kTile;
-  const int h = threadIdx.x / 128, thread = threadIdx.x % 128;
-  __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 6 * kTile + kTile) + h * 64 * (D + 8);
-
-  const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
-  const int64_t end = begin + segment_len < L ? begin + segment_len : L;
-  const int64_t offset = pair * L * D;
-  q += offset, k += offset, v += offset, out += offset;
-  const int64_t chunks = end > begin ? (end - begin + C2 - 1) / C2 : 0;
-
-  auto tile_of = [&](int64_t chunk, int which, int half) {
-    return base + uint32_t(((chunk % kStages) * 3 + which) * 2 + half) * kTile;
-  };
-  auto issue = [&](int64_t chunk) {  // this warpgroup's half of the chunk
-    if (chunk < chunks) {
-      const int64_t t0 = begin + chunk * C2 + 64 * h;
-      if (!kStateOnly) stage(tile_of(chunk, 0, h), q, t0, end, thread);
-      stage(tile_of(chunk, 1, h), k, t0, end, thread);
-      stage(tile_of(chunk, 2, h), v, t0, end, thread);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-  };
-
-  // This warpgroup's columns of the state, 32 h .. 32 h + 31 (see load_state).
-  float state[16];
-  float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
-  load_state<4>(state, kStateOnly ? nullptr : slot, 32 * h);
-  auto publish = [&] { publish_state<4>(state, state_copy, 32 * h); };
-  if (!kStateOnly) publish();
-
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
-  for (int64_t it = 0; it < chunks; ++it) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
-    wgmma::fence_shared_writes();
-    __syncthreads();
-    issue(it + kStages - 1);
-    const uint32_t k0 = tile_of(it, 1, 0), k1 = tile_of(it, 1, 1), v0 = tile_of(it, 2, 0), v1 = tile_of(it, 2, 1);
-    auto update_state = [&] {  // S[:, 32 h ..] += K_0^T V_0[:, 32 h ..] + K_1^T V_1[:, 32 h ..]
-#pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss_n32<1, 1>(state, k_along_rows(k0, s), k_along_rows(v0 + 512 * h, s));
-#pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss_n32<1, 1>(state, k_along_rows(k1, s), k_along_rows(v1 + 512 * h, s));
-      wgmma::commit();
-    };
-    if constexpr (kStateOnly) {
-      wgmma::fence();
-      update_state();
-      wgmma::wait<0>();
-      continue;
-    }
-
-    // The scores first, then the state's update in the background while they are packed, then
-    // Q S and the P V products into o: fewer accumulators in flight at once (scores and o
-    // together, with cross, were more than ptxas would keep the wgmma pipelined for).
-    const uint32_t qt = tile_of(it, 0, h);
-    uint32_t p_own[4][4], p_cross[4][4];
-    {
-      // own: Q_h K_h^T; cross: Q_h K_0^T, which counts for h = 1 only (h = 0 multiplies its zeros:
-      // the same instructions in both warpgroups keep the wgmma pipelined)
-      float own[32], cross[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) own[i] = 0.f, cross[i] = 0.f;
-      wgmma::fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(own, k_along_columns(qt, s), k_along_columns(h ? k1 : k0, s));
-#pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(cross, k_along_columns(qt, s), k_along_columns(k0, s));
-      wgmma::commit();
-      update_state();
-      wgmma::wait<1>();  // the scores; the state's update may still run
-      pack_scores(own, p_own, 0);
-      pack_scores(cross, p_cross, h == 1 ? 64 : -64);
-    }
-    float o[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) o[i] = 0.f;
-    wgmma::fence();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p_own[s], k_along_rows(h ? v1 : v0, s));
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p_cross[s], k_along_rows(v0, s));
-    wgmma::commit();
-    wgmma::wait<0>();
-
-    write_rows(o, out_rows, out, begin + it * C2 + 64 * h, end);
-    __syncthreads();  // both warpgroups' wgmma have read the state copy
-    publish();
-  }
-  if constexpr (kStateOnly) store_state<4>(state, slot, 32 * h);
-}
-
-// kWarpgroups 1: wgmma_forward_kernel (chunks of C), 2: wgmma_forward2_kernel (chunks of C2).
-template <int kWarpgroups, int kStages, bool kStateOnly>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
             int64_t segments, int64_t segment_len, float* states) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int smem = kStages * 3 * kWarpgroups * kTile + kTile + kWarpgroups * 64 * (D + 8) * 2;
-  auto kernel = [] {
-    if constexpr (kWarpgroups == 1) {
-      return wgmma_forward_kernel<kStages, kStateOnly>;
-    } else {
-      return wgmma_forward2_kernel<kStages, kStateOnly>;
-    }
-  }();
+  const int smem = kStages * 3 * kTile + kTile + 64 * (D + 8) * 2;
+  auto kernel = wgmma_forward_kernel<kStages, kStateOnly>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(pairs * segments), 128 * kWarpgroups, smem, c10::cuda::getCurrentCUDAStream()>>>(
+  kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
       segments, segment_len, states);
@@ -362,25 +240,23 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 
 // segments > 1: each segment's K^T V first (state-only launch), scanned (exclusive, torch's
 // cumsum), then every segment's outputs from its start state.
-template <int kWarpgroups, int kStages>
+template <int kStages>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
          int64_t segments) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int64_t step = kWarpgroups * C;  // the kernel's chunk
-  const int64_t segment_len = ((L + segments - 1) / segments + step - 1) / step * step;
+  const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
   if (segments == 1) {
-    launch<kWarpgroups, kStages, false>(q, k, v, out, 1, L, nullptr);
+    launch<kStages, false>(q, k, v, out, 1, L, nullptr);
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kWarpgroups, kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
+  launch<kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
   auto starts = (sums.cumsum(1) - sums).contiguous();
-  launch<kWarpgroups, kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
+  launch<kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments,
-                      int64_t warpgroups) {
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
@@ -388,13 +264,8 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t
   }
   TORCH_CHECK(segments >= 1, "segments >= 1");
   TORCH_CHECK(stages == 2 || stages == 3, "stages: 2 or 3");
-  TORCH_CHECK(warpgroups == 1 || warpgroups == 2, "warpgroups: 1 or 2");
   auto out = torch::empty_like(v);
-  if (warpgroups == 1) {
-    stages == 2 ? run<1, 2>(q, k, v, out, segments) : run<1, 3>(q, k, v, out, segments);
-  } else {
-    stages == 2 ? run<2, 2>(q, k, v, out, segments) : run<2, 3>(q, k, v, out, segments);
-  }
+  stages == 2 ? run<2>(q, k, v, out, segments) : run<3>(q, k, v, out, segments);
   return out;
 }
 

@@ -7,8 +7,8 @@ bf16, E = M = 64, contiguous [B, H, L, 64], scale 1, unnormalized. Correctness f
 float64 at a small shape with a partial last chunk, and against this library at each timed
 shape), then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth
 measured here). The descriptor's offsets are in the PTX ISA's order (--swap: also or only the
-other way round). Two kernels: one warpgroup a block with chunks of 64 steps, and two warpgroups
-with chunks of 128 (each warpgroup half the chunk's rows and half the state's columns).
+other way round). One warpgroup a block, chunks of 64 steps (a two-warpgroup variant measured no
+faster and was removed: benchmarks/RESULTS.md, ninth session).
 """
 import argparse
 import os
@@ -60,23 +60,20 @@ def main():
         v = torch.randn(B, H, L, 64, generator=gen)
         return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
 
-    q, k, v = inputs(2, 3, 150)  # a partial last chunk (of 64 steps: 22 rows; of 128: its second half empty)
+    q, k, v = inputs(2, 3, 150)  # a partial last chunk (22 rows)
     exact = reference(q.cpu(), k.cpu(), v.cpu())
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
-    module, kernels = None, []  # kernels: the warpgroup counts that check out, timed below
+    module = None
     for swap in ((False, True) if args.swap == "auto" else (args.swap == "1",)):
         candidate = load(swap)
-        for warpgroups in (1, 2):
-            # 3 segments asked: 2, of 128 and 22 steps (either chunk length)
-            errors = [relative_error(candidate.forward(q, k, v, stages, segments, warpgroups).cpu(), exact)
-                      for stages in (2, 3) for segments in (1, 3)]
-            print(f"float64 check, 2,3,150, {warpgroups} warpgroup(s), offsets "
-                  f"{'swapped' if swap else 'as the PTX ISA orders them'}: relative error {max(errors):.2e} at "
-                  f"most over 2 or 3 stages, 1 or 3 segments ({[f'{e:.2e}' for e in errors]}); this library "
-                  f"{library:.2e}")
-            if module in (None, candidate) and max(errors) < 4 * max(library, 2.0**-8):
-                module = candidate
-                kernels.append(warpgroups)
+        # 3 segments asked: 2, of 128 and 22 steps
+        errors = [relative_error(candidate.forward(q, k, v, stages, segments).cpu(), exact)
+                  for stages in (2, 3) for segments in (1, 3)]
+        print(f"float64 check, 2,3,150, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
+              f"error {max(errors):.2e} at most over 2 or 3 stages, 1 or 3 segments "
+              f"({[f'{e:.2e}' for e in errors]}); this library {library:.2e}")
+        if module is None and max(errors) < 4 * max(library, 2.0**-8):
+            module = candidate
     if module is None:
         print("neither encoding gives the reference result: see benchmarks/wgmma_probe.py")
         return
@@ -91,17 +88,12 @@ def main():
         q, k, v = inputs(B, H, L)
         expected = fast_causal_attn.causal_dot_product(q, k, v)
         floor = 4 * q.numel() * 2 / bandwidth * 1e3
-        # segments as this library picks them: a wave of blocks (3 a multiprocessor with one
-        # warpgroup a block; one with two), 256 steps at least
+        # segments as this library picks them: a wave of blocks (3 a multiprocessor), 256 steps at least
         cases = {}
-        for wg, resident in ((1, 3), (2, 1)):
-            if wg not in kernels:
-                continue
-            segments = max(1, min(132 * resident // (B * H), L // 256))
-            for st in (2, 3):
-                for sg in sorted({1, segments}):
-                    cases[f"wgmma {wg} wg, {st} stages, {sg} segments"] = (
-                        lambda wg=wg, st=st, sg=sg: module.forward(q, k, v, st, sg, wg))
+        segments = max(1, min(132 * 3 // (B * H), L // 256))
+        for st in (2, 3):
+            for sg in sorted({1, segments}):
+                cases[f"wgmma {st} stages, {sg} segments"] = lambda st=st, sg=sg: module.forward(q, k, v, st, sg)
         cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
 
         def one_segment():
