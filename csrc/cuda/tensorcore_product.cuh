@@ -101,10 +101,10 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   // from 1.66e-3 (the outputs' own rounding) to 2.35e-3 relative error vs float64 (H200, every
   // issue shape; fla's chunk and fused_chunk: 2.35e-3 too), over the 2.3e-3 issue 5 holds bfloat16
   // to; with two parts 1.66e-3 - 1.69e-3. The cost (H200 GPU busy, fwd+bwd): +10-14% at DA = 64
-  // (the A S product's MMAs doubled), +25% at DA = 128, where with the second part's 18 KB two
+  // (the A S product's MMAs doubled), +25-27% at DA = 128, where with the second part's 18 KB two
   // blocks a multiprocessor fit only one chunk buffer (the launcher's pick; two buffers fit one
-  // block). float16's copy rounds 8x finer (2.93e-4
-  // measured against its own 2.08e-4): one part.
+  // block), +12% at DA = 256. float16's copy rounds 8x finer (2.93e-4 measured against its own
+  // 2.08e-4): one part.
   static constexpr int kStateParts = std::is_same_v<scalar_t, at::BFloat16> ? 2 : 1;
   struct AFrag {
     uint32_t r[4];
