@@ -211,14 +211,15 @@ def test_grad_q_from_forward_segments(shape, with_state, normalize, dtype, devic
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("buffers", [1, 2])
+@pytest.mark.parametrize("buffers", ["1", "2", "shared"])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 200, 128, 40), (1, 1, 150, 256, 48)], ids=shape_id)
 def test_tensor_core_chunk_buffers(shape, buffers, dtype, device, use_kernel, monkeypatch):
     """The tensor-core kernels stage chunks into one buffer or two (the next chunk arriving during
-    this one); the launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS forces a count where it
-    fits: each gives the reference result."""
+    this one), or two sharing one a region (the next chunk's a staged after this one's outputs);
+    the launcher picks by occupancy, FAST_CAUSAL_ATTN_TC_BUFFERS forces one where it fits: each
+    gives the reference result."""
     use_kernel("tensorcore")
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_BUFFERS", str(buffers))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_BUFFERS", buffers)
     q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=True)
     check_against_reference(q, k, v, scale=0.9, normalize=True, layout="bhld")
 

@@ -35,6 +35,9 @@ struct KernelParams : BackwardParams {
   // The tensor-core kernels' chunk buffers: with 2, the next chunk is on its way while this one is
   // worked on; with 1, each chunk is staged when its turn comes.
   int chunk_buffers = 1;
+  // With two buffers: the second has no a region of its own; the next chunk's a is staged into
+  // the one a region once this chunk's outputs are written (see tensorcore_product_kernel).
+  bool shared_a = false;
   // With two buffers, the state-only launch of 16-bit inputs may keep two chunks on their way in
   // three slots (see tensorcore_product_kernel); false keeps one, for measuring.
   bool deep_state_staging = true;

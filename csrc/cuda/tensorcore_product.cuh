@@ -312,6 +312,12 @@ struct Layout {
   static constexpr size_t a2 = extra_b + C * 4;                   // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
+  // Two buffers sharing buffer 0's a region (KernelParams::shared_a): the second starts where its
+  // b would follow the first buffer's end, so that it lacks only its a.
+  // Each warp stages its own 16 rows of a (stage_vectors' kTeam = kWarp): whole vectors a lane.
+  static constexpr size_t second_without_a = buffers + buffer - b;
+  static constexpr size_t bytes_shared_a() { return bytes(2) - b; }
+  static constexpr bool kSharedA = kWarp % (DA * kElem / 16) == 0;
   // Two buffers where they fit the multiprocessor's 227 KB (float32 at DA = 256: one); the
   // launcher picks how many a launch uses. A third (two chunks on their way) measured slower
   // wherever it fit (H200 fwd+bwd ms, three / two buffers: bf16 4,16,8192,64 0.772 / 0.600,
@@ -391,15 +397,17 @@ __device__ __forceinline__ void wait_async_copies() {
 // visible to it, so no barrier is needed between). A thread keeps one column and steps down the
 // rows, so that the 64-bit address arithmetic happens once a chunk (per copy it was most of the
 // staging's instructions). Needs KernelParams::rows_are_vectors.
-template <int kRows, int kWidth, int kStride, typename scalar_t, typename Rows, typename Factor>
+// kTeam: the threads that share the rows (the block's; kWarp: one warp's own rows).
+template <int kRows, int kWidth, int kStride, int kTeam = kThreads, typename scalar_t, typename Rows, typename Factor>
 __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, int64_t t0, int n, int64_t col0,
                                               int valid, bool scale, Factor factor) {
   constexpr int kVec = 16 / int(sizeof(scalar_t));
-  constexpr int kGroups = kWidth / kVec;      // vectors a row
-  constexpr int kStep = kThreads / kGroups;  // rows between a thread's vectors
-  static_assert(kWidth % kVec == 0 && kThreads % kGroups == 0 && kRows % kStep == 0, "whole vectors, even split");
+  constexpr int kGroups = kWidth / kVec;    // vectors a row
+  constexpr int kStep = kTeam / kGroups;  // rows between a thread's vectors
+  static_assert(kWidth % kVec == 0 && kTeam % kGroups == 0 && kRows % kStep == 0, "whole vectors, even split");
   if (phase == 1 && !scale) return;
-  const int row0 = threadIdx.x / kGroups, col = (threadIdx.x % kGroups) * kVec;
+  const int member = threadIdx.x % kTeam;
+  const int row0 = member / kGroups, col = (member % kGroups) * kVec;
   const bool column_inside = col < valid;
   const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
   const int64_t src_step = int64_t(kStep) * x.stride;
@@ -534,8 +542,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       return ChunkBuffer<Smem>{nullptr, reinterpret_cast<Smem*>(base), reinterpret_cast<Smem*>(base + S::buffer),
                                nullptr, nullptr, nullptr};
     }
-    unsigned char* base = tc_smem_raw + S::buffers + i * S::buffer;
-    return ChunkBuffer<Smem>{reinterpret_cast<Smem*>(base + S::a),       reinterpret_cast<Smem*>(base + S::b),
+    unsigned char* base = tc_smem_raw + (i == 1 && p.shared_a ? S::second_without_a : S::buffers + i * S::buffer);
+    Smem* a = reinterpret_cast<Smem*>(tc_smem_raw + S::buffers + (p.shared_a ? 0 : i * S::buffer) + S::a);
+    return ChunkBuffer<Smem>{a,                                          reinterpret_cast<Smem*>(base + S::b),
                              reinterpret_cast<Smem*>(base + S::c),       reinterpret_cast<float*>(base + S::extra_a),
                              reinterpret_cast<float*>(base + S::extra_b), reinterpret_cast<Smem*>(base + S::a2)};
   };
@@ -680,28 +689,55 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // bytes at a time when their turn comes, and rows that are not whole vectors element by element.
   const bool vectors = p.rows_are_vectors;
   const bool pipelined = vectors && p.chunk_buffers == 2;
-  const bool deep = kDeepStates && pipelined && state_only && !extra_row && p.deep_state_staging;  // see chunk_buffer
+  // shared_a (see KernelParams): the next chunk's b and c are issued with this chunk's start and
+  // each warp issues its own 16 rows of the next chunk's a (no other warp reads them) once it has
+  // written this chunk's outputs through them, its last use of a; the copies arrive during the
+  // rest of the chunk (the fused pass's dv, the state's update).
+  const bool shared_a = S::kSharedA && pipelined && p.shared_a;
+  const bool deep =
+      kDeepStates && pipelined && !shared_a && state_only && !extra_row && p.deep_state_staging;  // see chunk_buffer
   const int64_t chunks = work.chunk_count(C);
   auto chunk_at = [&](int64_t it, int64_t& t0, int& n) {
     t0 = work.chunk_begin(it, chunks, C);
     n = work.chunk_len(t0, C);
   };
-  // Chunk `it` into buffer `slot`, as one group of copies (none past the last chunk).
+  // This warp's rows of chunk it's a, in phase 0 (issue) or 1 (finish): shared_a.
+  auto stage_own_a = [&](int phase, int64_t t0, int n) {
+    if constexpr (S::kSharedA) {
+      stage_vectors<16, S::kDA, S::kAB, kWarp>(phase, chunk_buffer(0).a + 16 * warp * S::kAB, ops.a_rows(),
+                                               t0 + 16 * warp, n - 16 * warp, 0, int(Da), !ops.a_is_plain(),
+                                               [&](int64_t t) { return ops.a_factor(t); });
+    }
+  };
+  // Chunk `it` into buffer `slot`, as one group of copies (none past the last chunk); with
+  // shared_a its a only for the first chunk (this warp's rows; see issue_own_a).
   auto issue = [&](int slot, int64_t it) {
     if (it < chunks) {
       int64_t t0;
       int n;
       chunk_at(it, t0, n);
       const ChunkBuffer<Smem> buf = chunk_buffer(slot);
-      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row);
+      issue_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only && !shared_a, extra_row);
+      if (shared_a && !state_only && it == 0) stage_own_a(0, t0, n);
       if (kFused && !state_only) {  // k, E = Dc columns, as it is
         stage_vectors<C, DA, S::kAB>(0, buf.a2, ops_v.a_rows(), t0, n, 0, int(Dc), false, [](int64_t) { return 1.f; });
       }
     }
     commit_async_copies();
   };
+  auto issue_own_a = [&](int64_t it) {  // shared_a: this warp is done with its rows of a
+    if (it < chunks) {
+      int64_t t0;
+      int n;
+      chunk_at(it, t0, n);
+      __syncwarp();  // every lane's reads of the rows (write_outputs) are done
+      stage_own_a(0, t0, n);
+    }
+    commit_async_copies();
+  };
   auto finish = [&](const ChunkBuffer<Smem>& buf, int64_t t0, int n) {
-    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only, extra_row, deep);  // a2's copies too
+    finish_chunk<S>(buf, ops, t0, n, Da, m0, cols, !state_only && !shared_a, extra_row, deep);  // a2's copies too
+    if (shared_a && !state_only) stage_own_a(1, t0, n);
   };
   if (pipelined) issue(0, 0);
   if (deep) issue(1, 1);
@@ -813,6 +849,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
         }
       }
       write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n, factor);
+      if (shared_a) issue_own_a(it + 1);
 
       if constexpr (kFused) {  // dv = mask(K q'^T) dO + K S^T on the same rows, no extra row, factor 1
         float score_v[C / 8][4] = {};
@@ -930,16 +967,20 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   const int64_t col_tiles = (Dc + NB - 1) / NB;
   using S = Layout<MmaTraits<scalar_t>, DA, NB, P == Pass::GradKV>;
   auto kernel = tensorcore_product_kernel<P, scalar_t, DA, NB>;
-  // Blocks a multiprocessor holds with one or two buffers: the kernel's and the device's
-  // property, asked once per device (a call costs microseconds of host time, every launch).
-  static int asked[64][2] = {};  // 0: not asked yet
+  // Blocks a multiprocessor holds with one buffer, two, or two sharing an a region (index 0, 1,
+  // 2): the kernel's and the device's property, asked once per device (a call costs microseconds
+  // of host time, every launch).
+  enum Staging { kOne, kTwo, kTwoSharingA };
+  const size_t staging_bytes[3] = {S::bytes(1), S::bytes(2), S::bytes_shared_a()};
+  static int asked[64][3] = {};  // 0: not asked yet
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  auto resident_with = [&](int buffers) {
-    int& blocks = asked[device % 64][buffers - 1];
+  auto resident_with = [&](Staging staging) {
+    int& blocks = asked[device % 64][staging];
     if (blocks == 0) {
-      allow_dynamic_smem(kernel, S::bytes(buffers));
-      C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, S::bytes(buffers)));
+      allow_dynamic_smem(kernel, staging_bytes[staging]);
+      C10_CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, staging_bytes[staging]));
       blocks = std::max(blocks, 1);
     }
     return blocks;
@@ -948,19 +989,31 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   // no resident blocks: float32 at DA = 64 holds 1 block a multiprocessor with two (126 KB) and
   // more with one (72 KB): one measured faster (H200 fwd+bwd 8,16,2048,64: 1.55 ms with 2 blocks
   // a multiprocessor, two buffers 1.67; now 3, see min_blocks_per_multiprocessor), while bf16 keeps
-  // two (0.44 ms, one 0.49). FAST_CAUSAL_ATTN_TC_BUFFERS=1 or 2 forces the count where it fits, for
-  // measuring.
-  int buffers = p.rows_are_vectors && S::kBuffers >= 2 && resident_with(2) >= resident_with(1) ? 2 : 1;
-  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
-    const int count = std::atoi(forced);
-    if (count >= 1 && count <= S::kBuffers && (count == 1 || p.rows_are_vectors)) buffers = count;
+  // two (0.44 ms, one 0.49). Where two cost blocks, two sharing one a region where they do not:
+  // bfloat16 at DA = 128, whose two-part state copy (18 KB more) left two blocks a multiprocessor
+  // only one buffer (H200 GPU busy fwd+bwd 8,16,2048,128: 0.578 -> 0.722 ms with the second part).
+  // FAST_CAUSAL_ATTN_TC_BUFFERS=1, 2 or shared forces one where it fits, for measuring.
+  Staging staging = kOne;
+  if (p.rows_are_vectors && S::kBuffers >= 2) {
+    if (resident_with(kTwo) >= resident_with(kOne)) {
+      staging = kTwo;
+    } else if (S::kSharedA && resident_with(kTwoSharingA) >= resident_with(kOne)) {
+      staging = kTwoSharingA;
+    }
   }
-  p.chunk_buffers = buffers;
+  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
+    const bool two_fit = p.rows_are_vectors && S::kBuffers >= 2;
+    if (std::strcmp(forced, "1") == 0) staging = kOne;
+    if (std::strcmp(forced, "2") == 0 && two_fit) staging = kTwo;
+    if (std::strcmp(forced, "shared") == 0 && two_fit && S::kSharedA) staging = kTwoSharingA;
+  }
+  p.chunk_buffers = staging == kOne ? 1 : 2;
+  p.shared_a = staging == kTwoSharingA;
   // FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2: the state-only launch keeps one chunk on its way instead
   // of two, for measuring.
   if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
-  const size_t smem = S::bytes(buffers);
-  const int resident = resident_with(buffers);
+  const size_t smem = staging_bytes[staging];
+  const int resident = resident_with(staging);
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
   // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence. The
   // segments fill one wave and no more: a partial second wave measured slower than fewer segments
