@@ -600,7 +600,10 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // the copy is S, rounded), and the A S product is scaled back by copy_scale = 2^shift.
   constexpr bool kScaledCopy = std::is_same_v<scalar_t, at::Half>;
   float copy_scale = 1.f;
-  auto choose_copy_scale = [&] {
+  // In two steps around a barrier the block passes anyway (the chunk's last): each warp posts its
+  // largest |S| (post_warp_max, after the chunk's state update), then every thread reads the
+  // four (choose_copy_scale, in publish). A barrier of its own between them was one more a chunk.
+  auto post_warp_max = [&] {
     float largest = 0.f;
 #pragma unroll
     for (int i = 0; i < kStateTiles; ++i)
@@ -612,15 +615,19 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     for (int offset = kWarp / 2; offset > 0; offset /= 2) {
       largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
     }
+    // the previous chunk's reads of warp_max_s are behind the loop's first barrier
     if (lane == 0) warp_max_s[warp] = largest;
-    __syncthreads();  // the previous chunk's reads of warp_max_s are behind the loop's first barrier
+  };
+  auto choose_copy_scale = [&] {
+    float largest = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, warp_max_s[w]);
     int shift = 0;
     if (largest > 16384.f && largest <= FLT_MAX) frexpf(largest / 16384.f, &shift);  // largest 2^-shift <= 2^14
     copy_scale = ldexpf(1.f, shift);
   };
-  // The copy of the state in shared memory and the vectors, read by the next chunk's outputs.
+  // The copy of the state in shared memory and the vectors, read by the next chunk's outputs;
+  // float16: after post_warp_max and a barrier.
   auto publish = [&] {
     if constexpr (kScaledCopy) choose_copy_scale();
     const float inverse = 1.f / copy_scale;  // a power of two: exact
@@ -640,7 +647,13 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     }
     if (tid < NB) extra_state_s[tid] = extra_state;
   };
-  if (!state_only) publish();
+  if (!state_only) {
+    if constexpr (kScaledCopy) {
+      post_warp_max();
+      __syncthreads();
+    }
+    publish();
+  }
 
   // A S products read the state copy: scaled back by its scale (float16 only; see publish).
   auto scale_back = [&](float (&acc)[NB / 8][4]) {
@@ -919,7 +932,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       for (int t = 0; t < C; ++t) extra_state += extra_b_s[t] * static_cast<float>(c_s[t * S::kCS + tid]);
     }
     if (!state_only) {
-      __syncthreads();  // every read of the state copy and the vectors is done
+      if constexpr (kScaledCopy) post_warp_max();
+      __syncthreads();  // every read of the state copy and the vectors is done (float16: the warps'
+                        // largest |S| are posted)
       publish();
     }
   }
