@@ -418,13 +418,63 @@ TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
   m.impl("forward", &forward_op<&no_cuda<ForwardSegments, ForwardParams>>);
   m.impl("backward", &backward_op<&no_cuda<void, BackwardParams>>);
 }
+
+int64_t plan_forward_segments(const ForwardParams&, int) { return 0; }
 #endif
+
+namespace {
+// _C.plan_forward_segments(dtype, B, H, L, E, M, normalize, with_state, device) -> int: the S of
+// a CUDA forward's segment_kv with keep_segments (see plan_forward_segments), for the fake
+// kernel: dtype as torch names it without "torch." ("bfloat16"), with_state: an initial or final
+// state. A plain function, not an op: the fake kernel calls it while tracing, outside any graph.
+PyObject* py_plan_forward_segments(PyObject*, PyObject* args) {
+  const char* dtype_name = nullptr;
+  long long B = 0, H = 0, L = 0, E = 0, M = 0;
+  int normalize = 0, with_state = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "sLLLLLppi", &dtype_name, &B, &H, &L, &E, &M, &normalize, &with_state, &device)) {
+    return nullptr;
+  }
+  try {
+    const std::string name = dtype_name;
+    ForwardParams p;
+    if (name == "float16") {
+      p.dtype = at::kHalf;
+    } else if (name == "bfloat16") {
+      p.dtype = at::kBFloat16;
+    } else if (name == "float32") {
+      p.dtype = at::kFloat;
+    } else if (name == "float64") {
+      p.dtype = at::kDouble;
+    } else {
+      TORCH_CHECK(false, "fast_causal_attn: plan_forward_segments takes float16, bfloat16, float32 or float64, got ",
+                  name);
+    }
+    p.B = B, p.H = H, p.L = L, p.E = E, p.M = M, p.num_seqs = B;
+    p.normalize = normalize != 0;
+    static char state_marker;  // never read or written: a plan only asks whether a state is there
+    if (with_state) p.initial_kv = &state_marker, p.final_kv = &state_marker;
+    p.keep_segments = true;
+    return PyLong_FromLongLong(plan_forward_segments(p, device));
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
+    return nullptr;
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+}
+
+PyMethodDef methods[] = {
+    {"plan_forward_segments", py_plan_forward_segments, METH_VARARGS,
+     "The segment count of a CUDA forward's segment_kv with keep_segments (see ops.h)."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
 
 }  // namespace fast_causal_attn
 
 // Lets `import fast_causal_attn._C` load the library (and run the registrations above); the ops are
-// reached through torch.ops.fast_causal_attn, not through this module.
+// reached through torch.ops.fast_causal_attn. Its one function: plan_forward_segments (above).
 extern "C" PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, fast_causal_attn::methods};
   return PyModule_Create(&module_def);
 }

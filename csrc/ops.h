@@ -21,7 +21,16 @@ namespace fast_causal_attn {
 // are 64 timesteps apart).
 struct ForwardSegments {
   at::Tensor kv, k_sum;
+  int64_t count = 0;  // a plan's (plan_forward_segments): the segments kv would hold, 0 for none
 };
+
+// How many segments a forward of these shapes keeps with keep_segments (the S of its
+// segment_kv), without running it: torch.compile's fake kernel asks ahead, so that S is a
+// static size (an unbacked one keeps CUDA graphs off the graph). A function of ForwardParams'
+// shapes, dtype and flags (pointers and strides unused), the device and the environment's
+// switches; the forward itself decides from exactly these (see launch_tensorcore). 0 on the CPU
+// and in builds without CUDA.
+int64_t plan_forward_segments(const ForwardParams& p, int device);
 
 using ForwardLauncher = ForwardSegments (*)(const ForwardParams&);
 using BackwardLauncher = void (*)(const BackwardParams&);

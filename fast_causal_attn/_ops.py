@@ -3,7 +3,7 @@ import collections
 
 import torch
 
-from . import _C  # noqa: F401  (loads the library; its static initializers register the ops)
+from . import _C  # loads the library (its static initializers register the ops); plan_forward_segments
 
 _forward = torch.ops.fast_causal_attn.forward.default
 _backward = torch.ops.fast_causal_attn.backward.default
@@ -48,6 +48,24 @@ def _state_shapes(q, v, layout, cu_seqlens):
     return (N, H, q.shape[-1], v.shape[-1]), (N, H, q.shape[-1])
 
 
+def _static_shapes(*tensors):
+    return all(isinstance(d, int) for t in tensors for d in t.shape)
+
+
+def _planned_segments(q, v, layout, normalize, with_state, cu_seqlens):
+    """The S of a CUDA forward's segment_kv with keep_segments, where the shapes are static (else
+    None): the same decision the forward makes (_C.plan_forward_segments). Packed sequences
+    (cu_seqlens) are never split in time: 0."""
+    if not _static_shapes(q, v):
+        return None
+    if cu_seqlens is not None:
+        return 0
+    B, H, L = _bhl(q, layout)
+    dtype = str(q.dtype).removeprefix("torch.")
+    return _C.plan_forward_segments(dtype, B, H, L, q.shape[-1], v.shape[-1], bool(normalize), bool(with_state),
+                                    q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
 @torch.library.register_fake("fast_causal_attn::forward")
 def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state,
                   keep_segments=False):
@@ -58,12 +76,21 @@ def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normali
     den = q.new_empty(_bhl(q, layout) if normalize else (0,), dtype=acc)
     kv_shape, k_sum_shape = _state_shapes(q, v, layout, cu_seqlens) if return_final_state else ((0,), (0,))
     # The segment starts kept for the dq pass: how many segments the CUDA kernels split time into
-    # depends on the device (its multiprocessors, the kernel's occupancy), so their count is a
-    # size only the real call knows; none without keep_segments, and none on the CPU.
+    # depends on the device (its multiprocessors, the kernel's occupancy). With static shapes the
+    # library plans the count ahead, as the real call decides it (plan_forward_segments); with
+    # symbolic ones it is a size only the real call knows. None without keep_segments, and none
+    # on the CPU. The key sums have as many where the forward tracks them (normalize or a final
+    # state), none otherwise.
     (N, H, E, M), _ = _state_shapes(q, v, layout, cu_seqlens)
     if keep_segments and q.device.type == "cuda":
-        ctx = torch.library.get_ctx()
-        segments, key_sum_segments = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        planned = _planned_segments(q, v, layout, normalize, initial_kv is not None or return_final_state,
+                                    cu_seqlens)
+        if planned is None:
+            ctx = torch.library.get_ctx()
+            segments, key_sum_segments = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+        else:
+            segments = planned
+            key_sum_segments = planned if normalize or return_final_state else 0
     else:
         segments = key_sum_segments = 0
     return (out, den, q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc),
@@ -102,10 +129,11 @@ class CausalDotProduct(torch.autograd.Function):
     def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
                 initial_k_sum=None, return_final_state=False, cu_seqlens=None):
         # The forward's segment starts, from which the dq pass starts its own segments (CUDA), are
-        # kept in eager mode only: under torch.compile their count, which the device decides, would
-        # be a size only the real call knows, and such a size keeps CUDA graphs (mode=
-        # "reduce-overhead") off the whole graph. Compiled, the dq pass sums its segments itself.
-        keep_segments = not torch.compiler.is_compiling()
+        # kept in eager mode and, compiled, where the shapes are static: their count is then planned
+        # ahead (_planned_segments). With symbolic shapes it would be a size only the real call
+        # knows, and such a size keeps CUDA graphs (mode="reduce-overhead") off the whole graph:
+        # there the dq pass sums its segments itself.
+        keep_segments = not torch.compiler.is_compiling() or _static_shapes(q, v)
         out, den, final_kv, final_k_sum, segment_kv, segment_k_sum = _forward(
             q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state,
             keep_segments)

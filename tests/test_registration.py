@@ -116,8 +116,8 @@ def test_torch_compile_inductor(device, L):
 @segment_lengths
 def test_torch_compile_keeps_cuda_graphs(L):
     """mode="reduce-overhead" captures a training step through the ops in CUDA graphs: nothing in
-    the graph has a size only the real call knows (the forward keeps its segment starts for the
-    dq pass in eager mode only; their count is the device's choice)."""
+    the graph has a size only the real call knows (with static shapes the forward's segment
+    starts, which the dq pass starts from, have a count planned ahead: _planned_segments)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -137,3 +137,57 @@ def test_torch_compile_keeps_cuda_graphs(L):
     torch.testing.assert_close(loss, eager_loss)
     for c, e in zip(grads, eager_grads):
         torch.testing.assert_close(c, e)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+@pytest.mark.parametrize(
+    "dtype,shape,normalize,with_state,env,misaligned",
+    [
+        (torch.bfloat16, (8, 16, 2048, 64, 64), False, False, {}, False),
+        (torch.bfloat16, (1, 16, 8192, 128, 128), True, False, {}, False),
+        (torch.bfloat16, (2, 3, 1100, 8, 6), False, True, {}, False),
+        (torch.bfloat16, (2, 4, 8192, 64, 64), False, False, {}, True),
+        (torch.float32, (2, 4, 8192, 64, 64), True, False, {}, False),
+        (torch.float32, (1, 4, 4096, 128, 128), False, False, {}, False),
+        (torch.float32, (8, 16, 1024, 128, 128), False, False, {}, False),
+        (torch.float16, (2, 4, 1, 64, 64), False, False, {}, False),
+        (torch.bfloat16, (2, 4, 8192, 64, 64), False, False, {"FAST_CAUSAL_ATTN_KERNEL": "chunked"}, False),
+        (torch.bfloat16, (2, 4, 8192, 64, 64), False, False, {"FAST_CAUSAL_ATTN_SEGMENTS": "5"}, False),
+    ],
+    ids=["bf16", "bf16-E128-normalized", "bf16-small-state", "bf16-misaligned", "fp32-normalized", "fp32-E128",
+         "fp32-E128-recurrent", "fp16-decode", "chunked", "forced-5"],
+)
+def test_planned_segments_are_the_forwards(dtype, shape, normalize, with_state, env, misaligned, monkeypatch):
+    """The segment count the fake kernel plans for static shapes (torch.compile; _C.
+    plan_forward_segments) is the one the forward keeps, whichever family runs (0 where the
+    tensor-core family does not, or for a decoding step), with the switches, and for rows off
+    16-byte boundaries (which stage chunks another way but split time the same)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    B, H, L, E, M = shape
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=normalize)
+    if misaligned:  # the same values one element into a larger buffer: rows off 16-byte boundaries
+        q = torch.cat([q.new_zeros(1), q.flatten()])[1:].view(q.shape)
+    state = tuple(x.to("cuda") for x in make_state(B, H, E, M, dtype, normalize)) if with_state else (None, None)
+    args = (None, 1.0, normalize, 1e-6, "bhld", with_state, True)
+    segment_kv, segment_k_sum = ops.forward(q, k, v, *state, *args)[4:]
+    with FakeTensorMode() as mode:
+        fakes = [None if x is None else mode.from_tensor(x) for x in (q, k, v, *state)]
+        planned_kv, planned_k_sum = ops.forward(*fakes, *args)[4:]
+    assert isinstance(planned_kv.shape[1], int), "a static count"
+    assert planned_kv.shape == segment_kv.shape and planned_k_sum.shape == segment_k_sum.shape
+
+
+def test_plan_forward_segments_checks_its_arguments():
+    """The planning function the fake kernel calls names what it takes; without a GPU (a build
+    without CUDA) it plans no segments."""
+    from fast_causal_attn import _C
+
+    with pytest.raises(RuntimeError, match="float16, bfloat16, float32 or float64, got int8"):
+        _C.plan_forward_segments("int8", 1, 1, 64, 8, 8, False, False, 0)
+    with pytest.raises(TypeError):
+        _C.plan_forward_segments("float32", 1, 1, 64, 8)
+    if not torch.cuda.is_available():
+        assert _C.plan_forward_segments("bfloat16", 8, 16, 2048, 64, 64, False, False, 0) == 0

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Context.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
@@ -82,16 +83,20 @@ __global__ void backward_prepare_kernel(const KernelParams p) {
 // The user's TF32 setting for float32 matmuls, which the tensor-core kernels follow.
 bool tf32_allowed(const KernelParams& p) { return p.dtype == at::kFloat && at::globalContext().allowTF32CuBLAS(); }
 
+// One timestep (decoding): the decoding-step kernel, 1.4-2.7x faster than the chunked kernels'
+// general path (H200, H = 16, E = M = 128, fp32 state, us for B = 1 / 8 / 64: 17.8 / 20.6 / 101
+// vs 25.2 / 34.4 / 223). A forced family keeps its own kernel, so that the tests cover each.
+bool decoding_step(const KernelParams& p) {
+  const Family family = forced_family();
+  return p.L == 1 && p.cu_seqlens == nullptr && (family == Family::Default || family == Family::Decode);
+}
+
 ForwardSegments launch_forward_cuda(const ForwardParams& params) {
   KernelParams p;
   static_cast<ForwardParams&>(p) = params;
   p.tf32 = tf32_allowed(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // One timestep (decoding): the decoding-step kernel, 1.4-2.7x faster than the chunked kernels'
-  // general path (H200, H = 16, E = M = 128, fp32 state, us for B = 1 / 8 / 64: 17.8 / 20.6 / 101
-  // vs 25.2 / 34.4 / 223). A forced family keeps its own kernel, so that the tests cover each.
-  const Family family = forced_family();
-  if (p.L == 1 && p.cu_seqlens == nullptr && (family == Family::Default || family == Family::Decode)) {
+  if (decoding_step(p)) {
     run_decode_step(p, stream);
     return {};
   }
@@ -138,6 +143,15 @@ void launch_backward_cuda(const BackwardParams& params) {
 
 }  // namespace
 }  // namespace cuda
+
+int64_t plan_forward_segments(const ForwardParams& params, int device) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  cuda::KernelParams p;
+  static_cast<ForwardParams&>(p) = params;
+  p.dry_run = true;
+  if (cuda::decoding_step(p)) return 0;
+  return cuda::run_forward_pass(p, nullptr).count;
+}
 
 TORCH_LIBRARY_IMPL(fast_causal_attn, CUDA, m) {
   m.impl("forward", &forward_op<&cuda::launch_forward_cuda>);

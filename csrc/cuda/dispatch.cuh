@@ -102,6 +102,9 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
   const int64_t Dc = a_is_e ? p.M : p.E;
   const Family family = forced_family();
   const bool tensorcore = on_tensor_cores<scalar_t>(p, Da, Dc);
+  // Only the tensor-core family keeps segments: a plan for any other ends here (a forced chunked
+  // family is never on tensor cores).
+  if (p.dry_run && !tensorcore) return {};
   if (p.has_state_io() || p.cu_seqlens != nullptr) {  // the chunked families take states and packed sequences
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",

@@ -65,6 +65,9 @@ struct KernelParams : BackwardParams {
   bool seg_from_forward = false;
   void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
   void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
+  // A plan (plan_forward_segments): the launchers decide as for a run and return the forward's
+  // segment count (ForwardSegments::count) instead of allocating or launching anything.
+  bool dry_run = false;
 
   // The state a pass starts from and ends at (initial and final state, or their gradients), each
   // [B * H, ...] contiguous in the accumulation dtype, nullptr for none (see with_state_io in

@@ -1012,27 +1012,36 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   // bfloat16 at DA = 128, whose two-part state copy (18 KB more) left two blocks a multiprocessor
   // only one buffer (H200 GPU busy fwd+bwd 8,16,2048,128: 0.578 -> 0.722 ms with the second part).
   // FAST_CAUSAL_ATTN_TC_BUFFERS=1, 2 or shared forces one where it fits, for measuring.
-  Staging staging = kOne;
-  if (p.rows_are_vectors && S::kBuffers >= 2) {
-    if (resident_with(kTwo) >= resident_with(kOne)) {
-      staging = kTwo;
-    } else if (S::kSharedA && resident_with(kTwoSharingA) >= resident_with(kOne)) {
-      staging = kTwoSharingA;
+  auto pick_staging = [&](bool vectors) {
+    Staging staging = kOne;
+    if (vectors && S::kBuffers >= 2) {
+      if (resident_with(kTwo) >= resident_with(kOne)) {
+        staging = kTwo;
+      } else if (S::kSharedA && resident_with(kTwoSharingA) >= resident_with(kOne)) {
+        staging = kTwoSharingA;
+      }
     }
-  }
-  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
-    const bool two_fit = p.rows_are_vectors && S::kBuffers >= 2;
-    if (std::strcmp(forced, "1") == 0) staging = kOne;
-    if (std::strcmp(forced, "2") == 0 && two_fit) staging = kTwo;
-    if (std::strcmp(forced, "shared") == 0 && two_fit && S::kSharedA) staging = kTwoSharingA;
-  }
+    if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_BUFFERS")) {
+      const bool two_fit = vectors && S::kBuffers >= 2;
+      if (std::strcmp(forced, "1") == 0) staging = kOne;
+      if (std::strcmp(forced, "2") == 0 && two_fit) staging = kTwo;
+      if (std::strcmp(forced, "shared") == 0 && two_fit && S::kSharedA) staging = kTwoSharingA;
+    }
+    return staging;
+  };
+  const Staging staging = pick_staging(p.rows_are_vectors);
   p.chunk_buffers = staging == kOne ? 1 : 2;
   p.shared_a = staging == kTwoSharingA;
   // FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2: the state-only launch keeps one chunk on its way instead
   // of two, for measuring.
   if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   const size_t smem = staging_bytes[staging];
-  const int resident = resident_with(staging);
+  // The segment count from the blocks a multiprocessor holds with the staging of rows at 16-byte
+  // boundaries, whatever these rows are (the same for every call but rows that are not): a
+  // function of the shapes alone, which torch.compile's fake kernel asks for ahead
+  // (plan_forward_segments, ops.h).
+  const int64_t vec = 16 / int64_t(sizeof(scalar_t));
+  const int resident = resident_with(pick_staging(p.E % vec == 0 && p.M % vec == 0));
   const int64_t slots = int64_t(multiprocessor_count()) * std::max(resident, 1);
   // Packed sequences (cu_seqlens) are not split in time: each block runs a whole sequence. The
   // segments fill one wave and no more: a partial second wave measured slower than fewer segments
@@ -1061,6 +1070,11 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   const int64_t segments = p.cu_seqlens != nullptr
                                ? 1
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
+  if (p.dry_run) {  // a plan: the count the forward keeps (as SegmentWorkspace::make sets it)
+    const int64_t length = segment_length(p.L, segments, C);
+    const int64_t count = p.L > 0 ? (p.L + length - 1) / length : 1;
+    return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
+  }
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
   if constexpr (P == Pass::Forward) {
