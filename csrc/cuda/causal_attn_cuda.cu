@@ -149,7 +149,8 @@ int64_t plan_forward_segments(const ForwardParams& params, int device) {
   cuda::KernelParams p;
   static_cast<ForwardParams&>(p) = params;
   p.dry_run = true;
-  if (cuda::decoding_step(p)) return 0;
+  // No output and no state to write (ops.cpp launches nothing), or a decoding step: no segments.
+  if (p.B * p.H * p.M == 0 || cuda::decoding_step(p)) return 0;
   return cuda::run_forward_pass(p, nullptr).count;
 }
 
