@@ -186,6 +186,9 @@ def main():
     parser.add_argument("--accuracy", action="store_true",
                         help="also each method's relative error (output, dq, dk, dv) against float64 on the same "
                              "rounded inputs (issue 5: bf16 <= 2.3e-3, fp32 <= 1e-5)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time the default path under torch.compile (static shapes, fullgraph), as a "
+                             "compiled training step calls it")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -218,6 +221,8 @@ def main():
         # float32 with torch's TF32 switch on (one TF32 product a step), as fla's float32 runs
         methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
         families["fca tensorcore tf32"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore"}
+    if args.compiled:
+        methods["fca compiled"] = torch.compile(fast_causal_attn.causal_dot_product, dynamic=False, fullgraph=True)
     def short(variable):
         return variable.removeprefix("FAST_CAUSAL_ATTN_").lower()
 
