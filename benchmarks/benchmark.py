@@ -222,6 +222,8 @@ def main():
         methods["fca tensorcore tf32"] = fast_causal_attn.causal_dot_product
         families["fca tensorcore tf32"] = {"FAST_CAUSAL_ATTN_KERNEL": "tensorcore"}
     if args.compiled:
+        # one graph per shape, dtype and grad mode: more than dynamo's default limit of 8
+        torch._dynamo.config.recompile_limit = 256
         methods["fca compiled"] = torch.compile(fast_causal_attn.causal_dot_product, dynamic=False, fullgraph=True)
     def short(variable):
         return variable.removeprefix("FAST_CAUSAL_ATTN_").lower()

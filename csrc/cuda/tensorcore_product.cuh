@@ -316,17 +316,24 @@ struct Layout {
   static constexpr size_t a2 = extra_b + C * 4;                   // [C][kAB], the fused pass's k
   static constexpr size_t buffer = (a2 + (kSecondA ? size_t(C) * kAB * kElem : 0) + 15) / 16 * 16;
   static constexpr size_t bytes(int count) { return buffers + count * buffer; }
-  // Two buffers sharing buffer 0's a region (KernelParams::shared_a): the second starts where its
-  // b would follow the first buffer's end, so that it lacks only its a.
-  // Each warp stages its own 16 rows of a (stage_vectors' kTeam = kWarp): whole vectors a lane.
-  static constexpr size_t second_without_a = buffers + buffer - b;
-  static constexpr size_t bytes_shared_a() { return bytes(2) - b; }
-  static constexpr bool kSharedA = kWarp % (DA * kElem / 16) == 0;
   // Two buffers where they fit the multiprocessor's 227 KB (float32 at DA = 256: one); the
   // launcher picks how many a launch uses. A third (two chunks on their way) measured slower
   // wherever it fit (H200 fwd+bwd ms, three / two buffers: bf16 4,16,8192,64 0.772 / 0.600,
   // 8,16,2048,128 1.140 / 0.704; float32 8,16,2048,64 1.402 / 1.551, one buffer 1.162).
   static constexpr int kBuffers = bytes(2) <= 227 * 1024 ? 2 : 1;
+  // Two buffers sharing buffer 0's a region (KernelParams::shared_a): the second starts where its
+  // b would follow the first buffer's end, so that it lacks only its a.
+  static constexpr size_t second_without_a = buffers + buffer - b;
+  static constexpr size_t bytes_shared_a() { return bytes(2) - b; }
+  static constexpr int blocks_by_smem(size_t bytes) { return int(228 * 1024 / (bytes + 1024)); }  // 1 KB reserved
+  // Compiled in only where the launcher can pick it: two full buffers leave one block a
+  // multiprocessor and the shared ones as many as one buffer, at least two (registers, at most
+  // 255 a thread, hold two blocks of 128 threads), which is bfloat16 at DA = 128 (its two-part
+  // state copy). Elsewhere its code cost the 16-bit DA = 64 kernels 3-7% (H200 GPU busy, bf16
+  // 8,16,2048,64 forward 0.079 -> 0.082 ms, fp16 fwd+bwd 0.246 -> 0.258) though never taken.
+  // Each warp stages its own 16 rows of a (stage_vectors' kTeam = kWarp): whole vectors a lane.
+  static constexpr bool kSharedA = kWarp % (DA * kElem / 16) == 0 && kBuffers == 2 && blocks_by_smem(bytes(2)) == 1 &&
+                                   blocks_by_smem(bytes_shared_a()) >= std::max(2, blocks_by_smem(bytes(1)));
   static_assert(bytes(1) <= 227 * 1024, "one chunk buffer fits");
   static_assert(b % 16 == 0 && c % 16 == 0 && extra_a % 16 == 0 && a2 % 16 == 0, "rows stay 16-byte aligned");
   static_assert(DA % (16 * kWarps) == 0, "each warp owns DA / 4 rows of the state, whole 16-row tiles");
@@ -410,7 +417,7 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   constexpr int kStep = kTeam / kGroups;  // rows between a thread's vectors
   static_assert(kWidth % kVec == 0 && kTeam % kGroups == 0 && kRows % kStep == 0, "whole vectors, even split");
   if (phase == 1 && !scale) return;
-  const int member = threadIdx.x % kTeam;
+  const unsigned member = kTeam == kThreads ? threadIdx.x : threadIdx.x % kTeam;  // unsigned: shifts, not divisions
   const int row0 = member / kGroups, col = (member % kGroups) * kVec;
   const bool column_inside = col < valid;
   const scalar_t* src = x.ptr + (t0 + row0) * x.stride + col0 + col;
@@ -546,8 +553,9 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       return ChunkBuffer<Smem>{nullptr, reinterpret_cast<Smem*>(base), reinterpret_cast<Smem*>(base + S::buffer),
                                nullptr, nullptr, nullptr};
     }
-    unsigned char* base = tc_smem_raw + (i == 1 && p.shared_a ? S::second_without_a : S::buffers + i * S::buffer);
-    Smem* a = reinterpret_cast<Smem*>(tc_smem_raw + S::buffers + (p.shared_a ? 0 : i * S::buffer) + S::a);
+    const bool shares_a = S::kSharedA && p.shared_a;
+    unsigned char* base = tc_smem_raw + (i == 1 && shares_a ? S::second_without_a : S::buffers + i * S::buffer);
+    Smem* a = reinterpret_cast<Smem*>(tc_smem_raw + S::buffers + (shares_a ? 0 : i * S::buffer) + S::a);
     return ChunkBuffer<Smem>{a,                                          reinterpret_cast<Smem*>(base + S::b),
                              reinterpret_cast<Smem*>(base + S::c),       reinterpret_cast<float*>(base + S::extra_a),
                              reinterpret_cast<float*>(base + S::extra_b), reinterpret_cast<Smem*>(base + S::a2)};
