@@ -108,9 +108,13 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
   args=${PROFILE:-"8 16 2048 64 64 fwd bfloat16"}
   name=tc_$(echo "$args" | tr ' ' '_')
   FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none -k regex:tensorcore_product_kernel --set full \
-    --import-source yes -f -o "$OUT/$name" python benchmarks/profile_kernels.py $args >"$OUT/ncu_run.log" 2>&1
-  ncu -i "$OUT/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1
-  ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/${name}_sass.csv" 2>&1
+    --import-source yes -f -o "/tmp/$name" python benchmarks/profile_kernels.py $args >"$OUT/ncu_run.log" 2>&1
+  # the report stays on the machine (too large to bring back): its pages are read here
+  ncu -i "/tmp/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1
+  # the SASS page is tens of MB (more than a call brings back): kept on the machine, summarized
+  ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass >"/tmp/${name}_sass.csv" 2>&1
+  python benchmarks/sass_summary.py "/tmp/${name}_sass.csv" >"$OUT/${name}_sass_summary.txt" 2>&1
+  head -45 "$OUT/${name}_sass_summary.txt"
   grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
     "$OUT/$name.txt" | head -40
   for segments in "" 1 2; do  # the same launches by segment count (default, 1, 2), durations only
