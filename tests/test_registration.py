@@ -92,24 +92,28 @@ def test_torch_compile_fullgraph(layout, normalize, device, L):
         torch.testing.assert_close(c, e)
 
 
+def _training_loss(q, k, v):
+    return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
+
+
+def assert_matches_eager(loss, grads, q, k, v):
+    """A compiled step's loss and gradients of q, k and v are eager's."""
+    eager_loss = _training_loss(q, k, v)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
+    torch.testing.assert_close(loss, eager_loss)
+    for c, e in zip(grads, eager_grads):
+        torch.testing.assert_close(c, e)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @segment_lengths
 def test_torch_compile_inductor(device, L):
     """The default backend as a training script would use it: no graph break, same numbers."""
     torch._dynamo.reset()
-
-    def f(q, k, v):
-        return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
-
     q, k, v = (x.requires_grad_() for x in op_inputs(device, "bhld", False, L=L))
-    compiled = torch.compile(f, fullgraph=True)
+    compiled = torch.compile(_training_loss, fullgraph=True)
     loss = compiled(q, k, v)
-    grads = torch.autograd.grad(loss, (q, k, v))
-    eager_loss = f(q, k, v)
-    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
-    torch.testing.assert_close(loss, eager_loss)
-    for c, e in zip(grads, eager_grads):
-        torch.testing.assert_close(c, e)
+    assert_matches_eager(loss, torch.autograd.grad(loss, (q, k, v)), q, k, v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
@@ -123,20 +127,13 @@ def test_torch_compile_keeps_cuda_graphs(L):
     torch._dynamo.reset()
     counters.clear()
 
-    def f(q, k, v):
-        return fast_causal_attn.causal_dot_product(q.relu(), k.relu(), v).square().mean()
-
     q, k, v = (x.requires_grad_() for x in op_inputs("cuda", "bhld", False, L=L))
-    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    compiled = torch.compile(_training_loss, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):  # warm-up, recording, replay
         loss = compiled(q, k, v)
         grads = torch.autograd.grad(loss, (q, k, v))
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    eager_loss = f(q, k, v)
-    eager_grads = torch.autograd.grad(eager_loss, (q, k, v))
-    torch.testing.assert_close(loss, eager_loss)
-    for c, e in zip(grads, eager_grads):
-        torch.testing.assert_close(c, e)
+    assert_matches_eager(loss, grads, q, k, v)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
