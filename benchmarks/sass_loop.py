@@ -1,0 +1,72 @@
+"""The chunk loop of a tensor-core kernel instance in SASS, by source line, without a GPU.
+
+    bash benchmarks/sass_offline.sh bfloat16 64 64 Forward   # writes /tmp/sass_<tag>.txt and runs this
+
+The loop is the backward branch whose range holds the most HMMA instructions; each instruction
+is counted under the outermost line of tensorcore_product.cuh it was inlined into (nvdisasm
+-gi's chains), so that a line's count is what that statement costs a chunk. Static counts: the
+lines of branches a call does not take (normalize, bias, one-buffer staging) count too.
+"""
+import collections
+import re
+import sys
+
+
+def parse(path):
+    text = open(path).read()
+    m = re.search(r"\.text\.(_ZN16fast_causal_attn4cuda25tensorcore_product_kernel\S*):\n(.*?)(?=\n//-----|\Z)", text, re.S)
+    if m is None:
+        sys.exit(f"no tensorcore_product_kernel in {path}")
+    instructions, labels, pending, where = [], {}, [], ("?", 0)
+    for line in m.group(2).split("\n"):
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        source = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+        if source:  # an inlining chain ends with its outermost line: the last one wins
+            where = (source.group(1).split("/")[-1], int(source.group(2)))
+            continue
+        code = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if code:
+            text_ = code.group(2).strip()
+            words = text_.split()
+            opcode = words[1] if words[0].startswith("@") else words[0]
+            address = int(code.group(1), 16)
+            instructions.append((address, opcode, text_, where))
+            for name in pending:
+                labels[name] = address
+            pending = []
+    return instructions, labels
+
+
+def chunk_loop(instructions, labels):
+    best = None
+    for address, opcode, text_, _ in instructions:
+        target = re.search(r"(\.L_x_\d+)", text_) if opcode.startswith("BRA") else None
+        if target and labels.get(target.group(1), address) < address:
+            start = labels[target.group(1)]
+            hmma = sum(1 for x in instructions if start <= x[0] <= address and x[1].startswith("HMMA"))
+            if best is None or (hmma, address - start) > (best[2], best[1] - best[0]):
+                best = (start, address, hmma)
+    return [x for x in instructions if best[0] <= x[0] <= best[1]], best[2]
+
+
+def main():
+    path, source = sys.argv[1], sys.argv[2]
+    instructions, labels = parse(path)
+    loop, hmma = chunk_loop(instructions, labels)
+    print(f"kernel {len(instructions)} instructions; chunk loop {len(loop)} (HMMA {hmma})")
+    lines = open(source).read().split("\n")
+    by_line = collections.defaultdict(collections.Counter)
+    for x in loop:
+        by_line[x[3]][x[1].split(".")[0]] += 1
+    for (name, number), ops in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values())):
+        count = sum(ops.values())
+        if count >= 8:
+            text_ = lines[number - 1].strip()[:60] if name == source.split("/")[-1] else ""
+            print(f"{count:5d} {name}:{number} {text_}  {dict(ops.most_common(5))}")
+
+
+if __name__ == "__main__":
+    main()
