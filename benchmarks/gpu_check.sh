@@ -13,6 +13,11 @@
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
 #                               # one sanitizer on some of the subsets
+#   STAGES="build ab" BASELINE=third_party/base BENCH_ARGS="--no-peers --kernel-time ..." ...
+#                               # the same benchmark on a baseline tree and on this one: first
+#                               # `rm -rf third_party/base && mkdir third_party/base &&
+#                               # git archive main | tar x -C third_party/base` here (git-ignored,
+#                               # carried with third_party); it is built in place beside this tree
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
 #
@@ -30,6 +35,12 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
+base_pid=""
+if has ab; then  # the baseline builds beside this tree's build (half the jobs each)
+  [[ -f "${BASELINE:-}/setup.py" ]] || { echo "ab: BASELINE=${BASELINE:-} holds no setup.py"; exit 1; }
+  (cd "$BASELINE" && MAX_JOBS=$(( MAX_JOBS / 2 )) python setup.py build_ext --inplace >"$OUT/base_build.log" 2>&1) &
+  base_pid=$!
+fi
 if has build; then
   start=$(date +%s)
   if ! python -m pip install -v --no-deps --no-build-isolation --no-index -e . >"$OUT/build.log" 2>&1; then
@@ -139,6 +150,18 @@ if has bench; then
   [[ -n "$warm_pid" ]] && { wait "$warm_pid"; save_triton_cache; }
   python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
   save_triton_cache
+fi
+if has ab; then  # the baseline first (PYTHONPATH puts its package ahead of this tree's editable install)
+  wait "$base_pid" || { echo "ab: the baseline did not build"; tail -20 "$OUT/base_build.log"; exit 1; }
+  for tree in base this; do
+    echo "== $tree"
+    if [[ $tree == base ]]; then
+      PYTHONPATH="$BASELINE" python benchmarks/benchmark.py --out "$OUT/base" ${BENCH_ARGS:-} >"$OUT/bench_base.log" 2>&1
+    else
+      python benchmarks/benchmark.py --out "$OUT/this" ${BENCH_ARGS:-} >"$OUT/bench_this.log" 2>&1
+    fi
+    grep -E "^(bfloat16|float)|CUDA graph replay|relative error" "$OUT/bench_$tree.log"
+  done
 fi
 if has decode; then
   python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode.log" | tail -12
