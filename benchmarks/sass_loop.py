@@ -8,8 +8,12 @@ is counted under the outermost line of tensorcore_product.cuh it was inlined int
 lines of branches a call does not take (normalize, bias, one-buffer staging) count too.
 """
 import collections
+import os
 import re
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_summary import opcode  # noqa: E402  (one reading of a SASS line's opcode for both tools)
 
 
 def parse(path):
@@ -30,10 +34,8 @@ def parse(path):
         code = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
         if code:
             text_ = code.group(2).strip()
-            words = text_.split()
-            opcode = words[1] if words[0].startswith("@") else words[0]
             address = int(code.group(1), 16)
-            instructions.append((address, opcode, text_, where))
+            instructions.append((address, opcode(text_), text_, where))
             for name in pending:
                 labels[name] = address
             pending = []
@@ -42,8 +44,8 @@ def parse(path):
 
 def chunk_loop(instructions, labels):
     best = None
-    for address, opcode, text_, _ in instructions:
-        target = re.search(r"(\.L_x_\d+)", text_) if opcode.startswith("BRA") else None
+    for address, op, text_, _ in instructions:
+        target = re.search(r"(\.L_x_\d+)", text_) if op.startswith("BRA") else None
         if target and labels.get(target.group(1), address) < address:
             start = labels[target.group(1)]
             hmma = sum(1 for x in instructions if start <= x[0] <= address and x[1].startswith("HMMA"))
@@ -60,7 +62,7 @@ def main():
     lines = open(source).read().split("\n")
     by_line = collections.defaultdict(collections.Counter)
     for x in loop:
-        by_line[x[3]][x[1].split(".")[0]] += 1
+        by_line[x[3]][x[1]] += 1
     for (name, number), ops in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values())):
         count = sum(ops.values())
         if count >= 8:
