@@ -240,6 +240,8 @@ int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_
 inline int64_t segment_length(int64_t L, int64_t segments, int64_t step) {
   return ((L + segments - 1) / segments + step - 1) / step * step;
 }
+// The segments that segments of segment_len timesteps make of L (one for an empty sequence).
+inline int64_t segment_count(int64_t L, int64_t segment_len) { return L > 0 ? (L + segment_len - 1) / segment_len : 1; }
 
 // The workspace of a segmented launch: each segment's state sum_s b[s] c[s]^T, and its sums of b
 // (forward normalize) and of extra_b * c (gradients under normalize). Sets p's segments,
@@ -262,7 +264,7 @@ struct SegmentWorkspace {
   template <Pass P, typename acc_t>
   static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc) {
     p.segment_len = segment_length(p.L, segments, step);
-    p.segments = p.L > 0 ? (p.L + p.segment_len - 1) / p.segment_len : 1;
+    p.segments = segment_count(p.L, p.segment_len);
     SegmentWorkspace w;
     w.dtype = c10::CppTypeToScalarType<acc_t>::value;
     if (p.segments > 1) {

@@ -547,15 +547,17 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // ncu, bf16 8,16,2048,64). float32 (one buffer, or at DA = 128 one block a multiprocessor
   // either way) keeps the code without it: there it cost registers and spills.
   constexpr bool kDeepStates = sizeof(Smem) == 2 && S::kCS <= S::kAB;
+  // Two buffers sharing one a region (KernelParams::shared_a; the launcher sets it only with two
+  // buffers of vector rows, and only where the kernel has the code: S::kSharedA).
+  const bool shared_a = S::kSharedA && p.shared_a;
   auto chunk_buffer = [&](int i) {
     if (kDeepStates && i == 2) {
       unsigned char* base = tc_smem_raw + S::buffers + S::a;
       return ChunkBuffer<Smem>{nullptr, reinterpret_cast<Smem*>(base), reinterpret_cast<Smem*>(base + S::buffer),
                                nullptr, nullptr, nullptr};
     }
-    const bool shares_a = S::kSharedA && p.shared_a;
-    unsigned char* base = tc_smem_raw + (i == 1 && shares_a ? S::second_without_a : S::buffers + i * S::buffer);
-    Smem* a = reinterpret_cast<Smem*>(tc_smem_raw + S::buffers + (shares_a ? 0 : i * S::buffer) + S::a);
+    unsigned char* base = tc_smem_raw + (i == 1 && shared_a ? S::second_without_a : S::buffers + i * S::buffer);
+    Smem* a = reinterpret_cast<Smem*>(tc_smem_raw + S::buffers + (shared_a ? 0 : i * S::buffer) + S::a);
     return ChunkBuffer<Smem>{a,                                          reinterpret_cast<Smem*>(base + S::b),
                              reinterpret_cast<Smem*>(base + S::c),       reinterpret_cast<float*>(base + S::extra_a),
                              reinterpret_cast<float*>(base + S::extra_b), reinterpret_cast<Smem*>(base + S::a2)};
@@ -718,7 +720,6 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // each warp issues its own 16 rows of the next chunk's a (no other warp reads them) once it has
   // written this chunk's outputs through them, its last use of a; the copies arrive during the
   // rest of the chunk (the fused pass's dv, the state's update).
-  const bool shared_a = S::kSharedA && pipelined && p.shared_a;
   const bool deep =
       kDeepStates && pipelined && !shared_a && state_only && !extra_row && p.deep_state_staging;  // see chunk_buffer
   const int64_t chunks = work.chunk_count(C);
@@ -1065,7 +1066,7 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
         reuse_forward_segments()) {
       p.segments = p.forward_segments;
       p.segment_len = segment_length(p.L, p.segments, C);
-      TORCH_CHECK((p.L + p.segment_len - 1) / p.segment_len == p.segments, "fast_causal_attn: segment_kv holds ",
+      TORCH_CHECK(segment_count(p.L, p.segment_len) == p.segments, "fast_causal_attn: segment_kv holds ",
                   p.segments, " segments, which no forward of ", p.L, " timesteps makes");
       p.seg_from_forward = true;
       p.seg_state = const_cast<void*>(p.forward_segment_kv);  // read only: no state-only launch
@@ -1079,8 +1080,7 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
                                ? 1
                                : choose_segments(blocks, slots / blocks * blocks, p.L, kMinChunksPerSegment * C);
   if (p.dry_run) {  // a plan: the count the forward keeps (as SegmentWorkspace::make sets it)
-    const int64_t length = segment_length(p.L, segments, C);
-    const int64_t count = p.L > 0 ? (p.L + length - 1) / length : 1;
+    const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
     return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   }
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
