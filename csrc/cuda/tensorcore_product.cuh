@@ -68,6 +68,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "r"(shared_address(row))
                : "memory");
 }
+// The same from a shared-memory address (shared_address's).
+__device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(row)
+               : "memory");
+}
 
 // Where lane l points ldmatrix for each operand shape (m = l / 8 the matrix, r = l % 8 its row),
 // for the fragment tile at (row0, k0) of a row-major array with row stride ld.
@@ -132,6 +139,25 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   // B of the P Cc product, whose A comes from score_as_a: the same k order here.
   __device__ static void load_b_after_scores(BFrag (&b)[2], const Smem* x, int k0, int n0, int ld) {
     load_b_k_major(b, x, k0, n0, ld);
+  }
+  // B of the scores from a chunk buffer, whose address changes every chunk (two buffers): this
+  // lane's part of the address (Lane's offsets at tile (0, 0)) taken once a chunk and kept in a
+  // register (the empty asm hides it from rematerialization), each load then adding a constant
+  // that folds into the instruction. Left to itself, nvcc recomputed the lane's offsets for every
+  // ldmatrix, inside the causal mask's skips (four integer instructions each: bf16 DA = 64
+  // forward's chunk loop 2725 -> 2666 SASS instructions). The other chunk-buffer loads gained
+  // nothing this way (the state update's) or cost float16's forward a spill (P Cc's).
+  __device__ static uint32_t lane_address(const Smem* x, int lane_offset) {
+    uint32_t address = shared_address(x + lane_offset);
+    asm volatile("" : "+r"(address));
+    return address;
+  }
+  __device__ static uint32_t b_n_major_lane(const Smem* x, int ld) { return lane_address(x, Lane().b_n_major(0, 0, ld)); }
+  // At tile (n0, k0) of B stored [n][k], from b_n_major_lane's address.
+  __device__ static void load_b_n_major_at(BFrag (&b)[2], uint32_t lane, int n0, int k0, int ld) {
+    uint32_t r[4];
+    ldmatrix_x4_at(r, lane + uint32_t((n0 * ld + k0) * int(sizeof(Smem))));
+    b[0].r[0] = r[0], b[0].r[1] = r[1], b[1].r[0] = r[2], b[1].r[1] = r[3];
   }
   // k-step k of the masked scores (columns 16k .. 16k + 15) as an A fragment: an accumulator pair
   // is an A fragment, rounded to the input dtype.
@@ -535,6 +561,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // The k-loops over shared memory stay rolled for float32: unrolled, the split fragments of
   // several steps in flight spill at DA = 128.
   constexpr int kUnrollK = sizeof(Smem) == 4 ? 1 : 4;
+  // 16-bit scores load B through a lane address kept a chunk (MmaTraits::lane_address)
+  constexpr bool kLaneAddresses = sizeof(Smem) == 2;
 
   extern __shared__ __align__(128) unsigned char tc_smem_raw[];
   Smem* s_copy = reinterpret_cast<Smem*>(tc_smem_raw + S::s_copy);
@@ -805,9 +833,17 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
       // Scores A B^T of this warp's 16 rows over the chunk's 64 columns; the 16-column blocks
       // wholly outside the causal mask are skipped.
       float score[C / 8][4] = {};
+      uint32_t b_lane = 0;
+      if constexpr (kLaneAddresses) b_lane = T::b_n_major_lane(b_s, S::kAB);
       accumulate_a_rows<T, DA, kUnrollK>(
           score, a_s, 16 * warp, S::kAB, tf32,
-          [&](BFrag(&b)[2], int k, int pair, int) { T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB); },
+          [&](BFrag(&b)[2], int k, int pair, int) {
+            if constexpr (kLaneAddresses) {
+              T::load_b_n_major_at(b, b_lane, 16 * pair, k, S::kAB);
+            } else {
+              T::load_b_n_major(b, b_s, 16 * pair, k, S::kAB);
+            }
+          },
           [&](int pair) { return kReverse ? pair < warp : pair > warp; });
 
       // The mask; then the normalizer's row sums (of the masked float scores) and the extra row,
