@@ -76,6 +76,30 @@ __device__ __forceinline__ void ldmatrix_x4_at(uint32_t (&r)[4], uint32_t row) {
                : "memory");
 }
 
+// 32-bit and 16-byte accesses at shared-memory addresses (shared_address's). The chunk buffers'
+// pointers come out of a runtime choice of buffer, which loses their address space: written
+// through them, nvcc issued generic loads and stores with 64-bit address arithmetic (bf16 DA = 64
+// forward, write_outputs: four integer instructions an access, SASS).
+__device__ __forceinline__ void store_shared(uint32_t address, uint32_t value) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(address), "r"(value) : "memory");
+}
+__device__ __forceinline__ void store_shared(uint32_t address, float lo, float hi) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(address), "f"(lo), "f"(hi) : "memory");
+}
+__device__ __forceinline__ uint4 load_shared_16(uint32_t address) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(address)
+               : "memory");
+  return v;
+}
+// 16 bytes to global memory as one store (a C++ store of load_shared_16's result was split in four)
+__device__ __forceinline__ void store_global_16(void* to, uint4 v) {
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"l"(to), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 // Where lane l points ldmatrix for each operand shape (m = l / 8 the matrix, r = l % 8 its row),
 // for the fragment tile at (row0, k0) of a row-major array with row stride ld.
 struct Lane {
@@ -184,13 +208,14 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
   }
   // Two adjacent elements of the state copy (col even).
   __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack(lo, hi); }
+  __device__ static void store_pair_at(uint32_t address, float lo, float hi) { store_shared(address, pack(lo, hi)); }
   // The same as kStateParts parts: part p of the copy at dst + p * part_stride (see kStateParts).
   __device__ static void store_state_pair(Smem* dst, size_t part_stride, float x, float y) {
     const uint32_t head = pack(x, y);
     *reinterpret_cast<uint32_t*>(dst) = head;
-    if constexpr (kStateParts == 2) {
+    if constexpr (kStateParts == 2) {  // bfloat16: a bfloat16 is the top half of its float
       *reinterpret_cast<uint32_t*>(dst + part_stride) =
-          pack(x - to_float(uint16_t(head & 0xffffu)), y - to_float(uint16_t(head >> 16)));
+          pack(x - __uint_as_float(head << 16), y - __uint_as_float(head & 0xffff0000u));
     }
   }
   // The two elements of a 32-bit word, each times f, rounded back.
@@ -312,6 +337,7 @@ struct MmaTraits<float> {
   __device__ static void store_pair(Smem* dst, float lo, float hi) {
     *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
   }
+  __device__ static void store_pair_at(uint32_t address, float lo, float hi) { store_shared(address, lo, hi); }
   __device__ static void store_state_pair(Smem* dst, size_t, float x, float y) { store_pair(dst, x, y); }
   __device__ static uint32_t scale_word(uint32_t w, float f) { return __float_as_uint(__uint_as_float(w) * f); }
 };
@@ -511,12 +537,18 @@ __device__ __forceinline__ void write_rows(const scalar_t* src, scalar_t* out, i
   constexpr int NB = S::kNB, kStride = S::kAB;
   const int lane = threadIdx.x % kWarp;
   if (vectors) {
-    constexpr int kVec = 16 / int(sizeof(scalar_t)), kGroups = NB / kVec;
+    // A lane keeps one column and steps down the rows: its addresses are worked out once
+    constexpr int kVec = 16 / int(sizeof(scalar_t)), kGroups = NB / kVec, kRowStep = kWarp / kGroups;
+    static_assert(kWarp % kGroups == 0 && 16 % kRowStep == 0, "whole rows a step");
+    const int row0 = lane / kGroups, col = (lane % kGroups) * kVec;
+    if (col < cols) {
+      scalar_t* to = out + row0 * out_l + col;
+      const uint32_t from = shared_address(src + row0 * kStride + col);
 #pragma unroll
-    for (int i = lane; i < 16 * kGroups; i += kWarp) {
-      const int row = i / kGroups, col = (i % kGroups) * kVec;
-      if (row < rows && col < cols) {
-        *reinterpret_cast<uint4*>(out + row * out_l + col) = *reinterpret_cast<const uint4*>(src + row * kStride + col);
+      for (int i = 0; i < 16 / kRowStep; ++i, to += kRowStep * out_l) {
+        if (row0 + i * kRowStep < rows) {
+          store_global_16(to, load_shared_16(from + uint32_t(i * kRowStep * kStride * sizeof(scalar_t))));
+        }
       }
     }
   } else {
@@ -726,15 +758,24 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // row to out_rows (this warp's first row): coalesced, 16 bytes a lane where rows are vectors
   // (element by element they were most of the kernel's instructions).
   auto write_outputs = [&](const float (&acc)[NB / 8][4], Smem* rows_s, scalar_t* out_rows, int64_t out_l,
-                           int out_cols, int n, const float (&factor)[2]) {
+                           int out_cols, int n, const float (&factor)[2], bool scaled) {
     __syncwarp();
+    // rows row_lo and row_hi = row_lo + 8, columns 8 j + 2 q (+ 1): one address and constants
+    const uint32_t lane_address = shared_address(rows_s + row_lo * S::kAB + 2 * q);
+    auto store = [&](auto value) {
 #pragma unroll
-    for (int j = 0; j < NB / 8; ++j)
+      for (int j = 0; j < NB / 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = h ? row_hi : row_lo, col = 8 * j + 2 * q;
-        T::store_pair(rows_s + row * S::kAB + col, acc[j][2 * h] * factor[h], acc[j][2 * h + 1] * factor[h]);
-      }
+        for (int h = 0; h < 2; ++h) {
+          T::store_pair_at(lane_address + uint32_t((h * 8 * S::kAB + 8 * j) * sizeof(Smem)), value(j, 2 * h, h),
+                           value(j, 2 * h + 1, h));
+        }
+    };
+    if (scaled) {  // a branch the block takes as a whole: the plain forward's factor is 1
+      store([&](int j, int e, int h) { return acc[j][e] * factor[h]; });
+    } else {
+      store([&](int j, int e, int) { return acc[j][e]; });
+    }
     __syncwarp();
     write_rows<S>(rows_s + 16 * warp * S::kAB, out_rows, out_l, n - 16 * warp, out_cols, p.rows_are_vectors);
   };
@@ -903,21 +944,30 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
         });
       }
       float factor[2] = {1.f, 1.f};  // the plain forward's: 1 / 1
-      if (P != Pass::Forward || denominator) {
+      const bool scaled = P != Pass::Forward || denominator;
+      if (scaled) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = h ? row_hi : row_lo;
           if (row < n) factor[h] = float(ops.out_factor(t0 + row, den[h]));
         }
       }
-      write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n, factor);
+      write_outputs(out, a_s, ops.out + (t0 + 16 * warp) * ops.out_l + m0, ops.out_l, cols, n, factor, scaled);
       if (shared_a) issue_own_a(it + 1);
 
       if constexpr (kFused) {  // dv = mask(K q'^T) dO + K S^T on the same rows, no extra row, factor 1
         float score_v[C / 8][4] = {};
+        uint32_t c_lane = 0;
+        if constexpr (kLaneAddresses) c_lane = T::b_n_major_lane(c_s, S::kCS);
         accumulate_a_rows<T, DA, kUnrollK>(
             score_v, buf.a2, 16 * warp, S::kAB, tf32,
-            [&](BFrag(&b)[2], int k, int pair, int) { T::load_b_n_major(b, c_s, 16 * pair, k, S::kCS); },
+            [&](BFrag(&b)[2], int k, int pair, int) {
+              if constexpr (kLaneAddresses) {
+                T::load_b_n_major_at(b, c_lane, 16 * pair, k, S::kCS);
+              } else {
+                T::load_b_n_major(b, c_s, 16 * pair, k, S::kCS);
+              }
+            },
             [&](int pair) { return pair < warp; });
         for_each_accumulator<C / 8>(16 * warp, [&](int j, int e, int row, int col) {
           if (col < row) score_v[j][e] = 0.f;
@@ -932,7 +982,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
         scale_back(out_v);
         accumulate_scores_times(out_v, score_v, b_s, S::kAB);
         constexpr float kOne[2] = {1.f, 1.f};
-        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n, kOne);
+        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n, kOne, false);
       }
     }
 
