@@ -245,6 +245,31 @@ def test_tensor_core_state_slots(shape, segments, slots, normalize, dtype, devic
     check_state_matches_reference(*shape, layout="bhld", normalize=normalize, dtype=dtype, device=device, scale=0.9)
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("head", [1, 3, 7])
+@pytest.mark.parametrize("segments,shape", [(2, (1, 2, 1000, 64, 64)), (3, (2, 1, 700, 128, 40))],
+                         ids=["2-1x2x1000x64x64", "3-2x1x700x128x40"])
+def test_tensor_core_state_heads_and_tails(shape, segments, head, normalize, dtype, device, use_kernel, monkeypatch):
+    """The tensor-core state-only launch may split each segment into a head and a tail, one block
+    each, the scan adding the two (KernelParams::state_head; the launcher does where whole
+    segments leave slots idle, FAST_CAUSAL_ATTN_TC_STATE_HEAD forces heads of N chunks). Heads of
+    1 to 7 chunks of segments of 8 (1000 steps) or 4 (700: the reverse passes' last segment is
+    188 steps, shorter than a head of 3 or 7, its tail empty), forward and the reverse passes (with
+    heads of 3 the dq pass sums its own segments too, instead of starting from the forward's), with
+    the final state: the reference result."""
+    use_kernel("tensorcore")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", str(segments))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD", str(head))
+    if head == 3:
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")
+    q, k, v = make_inputs(*shape, dtype=dtype, device=device, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.9, normalize=normalize, layout="bhld")
+    check_state_matches_reference(*shape, layout="bhld", normalize=normalize, dtype=dtype, device=device, scale=0.9)
+
+
 def input_gradients(q, k, v, grad_out, *, grad_state=None, **kwargs):
     """The gradients of q, k and v through causal_linear_attention(q, k, v, **kwargs) for
     grad_out (and, given grad_state = (grad_kv, grad_k_sum), through its final state too)."""

@@ -170,6 +170,7 @@ template <Pass P, typename scalar_t>
 struct BlockWork {
   using acc_t = at::opmath_type<scalar_t>;
   int64_t segment, col_tile, pair;
+  Piece piece;       // a whole segment, or its head or tail (KernelParams::state_head)
   Sequence seq;      // a batch entry, or one of the packed sequences
   int64_t m0;
   int cols;          // columns of c this block owns: min(nb, Dc - m0)
@@ -180,6 +181,7 @@ struct BlockWork {
 
   __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc) {
     int64_t index = blockIdx.x;
+    piece = piece_of_block(p, index);
     segment = segment_of_block<P>(p, index);
     col_tile = index % col_tiles;
     pair = index / col_tiles;
@@ -190,6 +192,10 @@ struct BlockWork {
     den_row = seq.row(p.L, p.H, 0);
     seg_begin = segment * p.segment_len;
     seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
+    if (piece != Piece::kSegment) {  // the state-only launch's head or tail of the segment
+      const int64_t split = seg_begin + p.state_head < seg_end ? seg_begin + p.state_head : seg_end;
+      (piece == Piece::kHead ? seg_end : seg_begin) = split;
+    }
     state_only = p.state_only;
     extra_row = PassTraits<P>::kMayHaveExtraRow && p.normalize;
     denominator = PassTraits<P>::kMayHaveDenominator && p.normalize;
@@ -401,7 +407,7 @@ __global__ void __launch_bounds__(chunked::kThreads, kChunkedMinBlocks<at::opmat
     }
   }
 
-  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
+  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
   if (end.state != nullptr) {
     for_each_in_corner([&](int kk, int nn, int row, int col) { end.state[row * Dc + m0 + col] = state[kk][nn]; });
   }

@@ -12,6 +12,8 @@
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+
 #include "../causal_attn.h"
 #include "../ops.h"
 
@@ -65,6 +67,15 @@ struct KernelParams : BackwardParams {
   bool seg_from_forward = false;
   void* seg_key_sum = nullptr;  // [B * H, segments, Da]: sum of b (forward normalize)
   void* seg_extra = nullptr;    // [B * H, segments, Dc]: sum of extra_b * c (extra row)
+  // The state-only launch may split each of its segments in two, a head of state_head timesteps
+  // and a tail (the rest), one block each, heads first, so that its blocks fill the device's
+  // slots instead of a part of them (choose_state_head); each tail writes its sums to the same
+  // place in the seg_tail_* regions (laid out as seg_*), and the scan adds head + tail. 0: one
+  // block a segment.
+  int64_t state_head = 0;
+  void* seg_tail_state = nullptr;
+  void* seg_tail_key_sum = nullptr;
+  void* seg_tail_extra = nullptr;
   // A plan (plan_forward_segments): the launchers decide as for a run and return the forward's
   // segment count (ForwardSegments::count) instead of allocating or launching anything.
   bool dry_run = false;
@@ -95,9 +106,19 @@ struct PassTraits {
 
 // Blocks of a segmented launch: segments vary fastest. The state-only launch leaves out the last
 // segment in pass order (the last in time; the first in reverse): no segment starts from its sums.
-// segment_of_block takes the segment off a block's index (the rest of the index stays in `index`).
+// With heads and tails (KernelParams::state_head) it launches every segment's head, then every
+// tail. segment_of_block takes the segment off a block's index (the rest of the index stays in
+// `index`); piece_of_block first takes off whether the block is a tail.
 __host__ __device__ inline int64_t launched_segments(const KernelParams& p) {
   return p.state_only ? p.segments - 1 : p.segments;
+}
+enum class Piece { kSegment, kHead, kTail };
+__device__ __forceinline__ Piece piece_of_block(const KernelParams& p, int64_t& index) {
+  if (!p.state_only || p.state_head == 0) return Piece::kSegment;
+  const int64_t heads = int64_t(gridDim.x) / 2;
+  if (index < heads) return Piece::kHead;
+  index -= heads;
+  return Piece::kTail;
 }
 template <Pass P>
 __device__ __forceinline__ int64_t segment_of_block(const KernelParams& p, int64_t& index) {
@@ -234,6 +255,24 @@ int multiprocessor_count();
 // cost more than the parallelism gains). FAST_CAUSAL_ATTN_SEGMENTS=N forces N, for measuring.
 int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len);
 
+// The head length, in chunks, of the state-only launch's segments (KernelParams::state_head),
+// 0 for whole segments: `tiles` blocks a segment, `segments` segments of `chunks` chunks each,
+// `slots` blocks resident at once. Whole segments fill tiles * segments slots for `chunks` chunks
+// (bf16 8,16,2048,64: 256 of 396 slots, 11 chunks). Heads of M chunks first and tails of
+// chunks - M after (the hardware starts blocks in index order as slots free up) end after
+// max(M, r * ceil(tails a free slot runs)) chunks: the smallest M >= the work's share of a
+// slot whose tails fit in the slots the heads leave free, each running floor(M / (chunks - M))
+// of them one after another (that example: heads of 8, tails of 3, all done after 8 chunks).
+inline int64_t choose_state_head(int64_t tiles, int64_t segments, int64_t chunks, int64_t slots) {
+  const int64_t heads = tiles * segments;
+  if (segments < 1 || heads >= slots || chunks < 2) return 0;
+  const int64_t share = (heads * chunks + slots - 1) / slots;
+  for (int64_t head = std::max<int64_t>(share, 1); head < chunks; ++head) {
+    if (heads <= (slots - heads) * (head / (chunks - head))) return head;
+  }
+  return 0;
+}
+
 // Timesteps per segment when `segments` share L in multiples of `step`. A function of the segment
 // count it leaves (ceil(L / segment_len)) as much as of the one asked for, so that a pass can
 // rebuild another pass's segments from their count (see ForwardSegments).
@@ -258,7 +297,9 @@ struct SegmentWorkspace {
   };
   at::Tensor buffer;          // owns the regions' memory (the forward: the state's); undefined with one segment
   at::Tensor key_sum_buffer;  // the forward's key sums, where it has them
+  at::Tensor tail_buffer;     // the tails' sums (KernelParams::state_head), else undefined
   Region state, key_sum, extra;
+  Region tail_state, tail_key_sum, tail_extra;
   at::ScalarType dtype = at::kFloat;
 
   template <Pass P, typename acc_t>
@@ -288,6 +329,21 @@ struct SegmentWorkspace {
       p.seg_state = w.state.data;
       p.seg_key_sum = w.key_sum.data;
       p.seg_extra = w.extra.data;
+      if (p.state_head > 0) {  // the tails' regions, as the heads', 16-byte aligned in one allocation
+        constexpr int64_t kAlign = 16 / sizeof(acc_t);
+        auto aligned = [](int64_t numel) { return (numel + kAlign - 1) / kAlign * kAlign; };
+        const int64_t key_sum_at = aligned(w.state.numel), extra_at = key_sum_at + aligned(w.key_sum.numel);
+        w.tail_buffer = at::empty({extra_at + w.extra.numel}, options);
+        acc_t* base = w.tail_buffer.data_ptr<acc_t>();
+        w.tail_state = {base, w.state.numel};
+        if (w.key_sum.numel > 0) w.tail_key_sum = {base + key_sum_at, w.key_sum.numel};
+        if (w.extra.numel > 0) w.tail_extra = {base + extra_at, w.extra.numel};
+        p.seg_tail_state = w.tail_state.data;
+        p.seg_tail_key_sum = w.tail_key_sum.data;
+        p.seg_tail_extra = w.tail_extra.data;
+      }
+    } else {
+      p.state_head = 0;
     }
     return w;
   }
@@ -342,12 +398,13 @@ struct SegmentEnd {
   acc_t* extra = nullptr;
 
   __device__ SegmentEnd(const KernelParams& p, int64_t pair, int64_t segment, int64_t Da, int64_t Dc, bool reverse,
-                        bool forward) {
+                        bool forward, Piece piece = Piece::kSegment) {
     if (p.state_only) {
       const int64_t base = pair * p.segments + segment;
-      state = static_cast<acc_t*>(p.seg_state) + base * Da * Dc;
-      key_sum = static_cast<acc_t*>(p.seg_key_sum) + base * Da;
-      extra = static_cast<acc_t*>(p.seg_extra) + base * Dc;
+      const bool tail = piece == Piece::kTail;
+      state = static_cast<acc_t*>(tail ? p.seg_tail_state : p.seg_state) + base * Da * Dc;
+      key_sum = static_cast<acc_t*>(tail ? p.seg_tail_key_sum : p.seg_key_sum) + base * Da;
+      extra = static_cast<acc_t*>(tail ? p.seg_tail_extra : p.seg_extra) + base * Dc;
     } else if (segment == (reverse ? 0 : p.segments - 1)) {
       if (p.end_state != nullptr) state = static_cast<acc_t*>(p.end_state) + pair * Da * Dc;
       if (p.end_vector != nullptr && forward) key_sum = static_cast<acc_t*>(p.end_vector) + pair * Da;
@@ -372,14 +429,19 @@ struct alignas(sizeof(acc_t) * kVec) ScanVector {
   acc_t v[kVec];
 };
 
+// With tails (KernelParams::state_head), a segment's own sums are its head's (in data) plus its
+// tail's (the same place in tails), added in that order.
 template <typename acc_t, int kVec>
-__global__ void scan_segments_kernel(acc_t* data, int64_t pairs, int64_t segments, int64_t width, bool reverse) {
+__global__ void scan_segments_kernel(acc_t* data, const acc_t* tails, int64_t pairs, int64_t segments, int64_t width,
+                                     bool reverse) {
   using Vector = ScanVector<acc_t, kVec>;
   constexpr int kBatch = 8;
   const int64_t groups = width / kVec;  // vectors a segment
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= pairs * groups) return;
   Vector* x = reinterpret_cast<Vector*>(data + (i / groups) * segments * width) + i % groups;
+  const Vector* tail =
+      tails != nullptr ? reinterpret_cast<const Vector*>(tails + (i / groups) * segments * width) + i % groups : nullptr;
   Vector running;
 #pragma unroll
   for (int e = 0; e < kVec; ++e) running.v[e] = acc_t(0);
@@ -388,7 +450,15 @@ __global__ void scan_segments_kernel(acc_t* data, int64_t pairs, int64_t segment
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
       const int64_t j = j0 + b;
-      if (j < segments - 1) own[b] = x[(reverse ? segments - 1 - j : j) * groups];  // the last: not summed
+      if (j < segments - 1) {  // the last: not summed
+        const int64_t at = (reverse ? segments - 1 - j : j) * groups;
+        own[b] = x[at];
+        if (tail != nullptr) {
+          const Vector t = tail[at];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) own[b].v[e] += t.v[e];
+        }
+      }
     }
 #pragma unroll
     for (int b = 0; b < kBatch; ++b) {
@@ -405,17 +475,19 @@ __global__ void scan_segments_kernel(acc_t* data, int64_t pairs, int64_t segment
 }
 
 template <typename acc_t>
-void scan_segments(acc_t* sums, int64_t numel, int64_t pairs, int64_t segments, bool reverse, cudaStream_t stream) {
+void scan_segments(acc_t* sums, const acc_t* tails, int64_t numel, int64_t pairs, int64_t segments, bool reverse,
+                   cudaStream_t stream) {
   if (numel == 0) return;
   const int64_t width = numel / (pairs * segments);
   constexpr int kVec = 16 / sizeof(acc_t);  // 16 bytes a load where a segment is whole vectors
-  const bool vectors = width % kVec == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0;
+  const bool vectors = width % kVec == 0 && reinterpret_cast<uintptr_t>(sums) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(tails) % 16 == 0;
   const int64_t threads = pairs * (vectors ? width / kVec : width);
   const unsigned blocks = unsigned((threads + 255) / 256);
   if (vectors) {
-    scan_segments_kernel<acc_t, kVec><<<blocks, 256, 0, stream>>>(sums, pairs, segments, width, reverse);
+    scan_segments_kernel<acc_t, kVec><<<blocks, 256, 0, stream>>>(sums, tails, pairs, segments, width, reverse);
   } else {
-    scan_segments_kernel<acc_t, 1><<<blocks, 256, 0, stream>>>(sums, pairs, segments, width, reverse);
+    scan_segments_kernel<acc_t, 1><<<blocks, 256, 0, stream>>>(sums, tails, pairs, segments, width, reverse);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -440,15 +512,20 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
   if (p.segments > 1 && !p.seg_from_forward) {
     KernelParams sums = p;
     sums.state_only = true;
-    const int64_t sum_blocks = blocks / p.segments * launched_segments(sums);
+    const int64_t sum_blocks = blocks / p.segments * launched_segments(sums) * (p.state_head > 0 ? 2 : 1);
+    TORCH_CHECK(sum_blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many state blocks: ", sum_blocks);
     kernel<<<dim3(unsigned(sum_blocks)), dim3(threads), smem, stream>>>(sums, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const int64_t pairs = p.num_seqs * p.H;
-    for (const SegmentWorkspace::Region& r : {workspace.state, workspace.key_sum, workspace.extra}) {
+    const SegmentWorkspace::Region heads[3] = {workspace.state, workspace.key_sum, workspace.extra};
+    const SegmentWorkspace::Region tails[3] = {workspace.tail_state, workspace.tail_key_sum, workspace.tail_extra};
+    for (int i = 0; i < 3; ++i) {
       if (workspace.dtype == at::kDouble) {
-        scan_segments(static_cast<double*>(r.data), r.numel, pairs, p.segments, PassTraits<P>::kReverse, stream);
+        scan_segments(static_cast<double*>(heads[i].data), static_cast<const double*>(tails[i].data), heads[i].numel,
+                      pairs, p.segments, PassTraits<P>::kReverse, stream);
       } else {
-        scan_segments(static_cast<float*>(r.data), r.numel, pairs, p.segments, PassTraits<P>::kReverse, stream);
+        scan_segments(static_cast<float*>(heads[i].data), static_cast<const float*>(tails[i].data), heads[i].numel,
+                      pairs, p.segments, PassTraits<P>::kReverse, stream);
       }
     }
   }

@@ -1044,7 +1044,7 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
     }
   }
 
-  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward);
+  const SegmentEnd<acc_t> end(p, pair, segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
   if (end.state != nullptr) {
 #pragma unroll
     for (int i = 0; i < kStateTiles; ++i) {
@@ -1178,6 +1178,16 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   if (p.dry_run) {  // a plan: the count the forward keeps (as SegmentWorkspace::make sets it)
     const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
     return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
+  }
+  // The state-only launch's segments in heads and tails where whole ones would leave slots idle
+  // (choose_state_head). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
+  // segments), for measuring.
+  {
+    const int64_t segment_chunks = segment_length(p.L, segments, C) / C;
+    const int64_t count = segment_count(p.L, segment_chunks * C);
+    int64_t head = count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, slots) : 0;
+    if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
+    p.state_head = head < segment_chunks ? head * C : 0;
   }
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
