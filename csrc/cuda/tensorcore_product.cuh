@@ -444,9 +444,6 @@ __device__ __forceinline__ void copy_async_16(void* dst, const void* src, bool v
                "r"(valid ? 16 : 0)
                : "memory");
 }
-__device__ __forceinline__ void copy_async_16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)), "l"(src) : "memory");
-}
 // The copies issued since the last commit become one group; wait_async_copies waits until every
 // group this thread issued is done but the kPending most recent ones.
 __device__ __forceinline__ void commit_async_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -479,13 +476,6 @@ __device__ __forceinline__ void stage_vectors(int phase, scalar_t* dst, Rows x, 
   const int64_t src_step = int64_t(kStep) * x.stride;
   scalar_t* to = dst + row0 * kStride + col;
   // row0 < kStep: every thread takes kRows / kStep rows, with no exit test a row.
-  if (phase == 0 && column_inside && n >= kRows) {
-    // Every row of a whole chunk is inside: no row tests and no pointer selects (an ISETP and two
-    // SELs a copy, SASS: the bf16 DA = 64 forward issues 12 copies a thread a chunk).
-#pragma unroll
-    for (int i = 0; i < kRows / kStep; ++i, src += src_step) copy_async_16(to + i * kStep * kStride, src);
-    return;
-  }
 #pragma unroll
   for (int i = 0; i < kRows / kStep; ++i, src += src_step, to += kStep * kStride) {
     const int row = row0 + i * kStep;
