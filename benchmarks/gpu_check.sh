@@ -93,7 +93,7 @@ fi
 
 if has sanitize; then
   # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
-  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all five)
+  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all six)
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
@@ -111,6 +111,8 @@ if has sanitize; then
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"
   # the fused recurrent dk/dv pass (tiles of 16 timesteps, partial rows and columns)
   sanitize fused_recurrent "test_recurrent_fused_grad_kv and bhld and (B2H3L100E128M128 or B1H2L333E100M70)"
+  # the state-only launch in heads and tails (tails' own regions, added by the scan; empty tails)
+  sanitize state_heads "test_tensor_core_state_heads_and_tails and 2x1x700x128x40 and normalized and (float32 or bfloat16)"
   # the dq pass starting from the forward's segment starts (read transposed)
   sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
 fi

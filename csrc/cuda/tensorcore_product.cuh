@@ -1169,13 +1169,18 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
     const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
     return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   }
-  // The state-only launch's segments in heads and tails where whole ones would leave slots idle
-  // (choose_state_head). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
-  // segments), for measuring.
+  // float32's state-only launch in heads and tails where whole segments would leave slots idle
+  // (choose_state_head): its blocks keep one chunk on their way, so more of them keep more bytes in
+  // flight (H200 CUDA graph replay, fwd / fwd+bwd, whole segments -> heads and tails: 1,16,32768,128
+  // 2.745 / 10.552 -> 2.645 / 10.240 ms, 4,16,8192,64 0.471 / 1.700 -> 0.462 / 1.675, 8,16,2048,64
+  // 0.241 / 0.870 -> 0.238 / 0.852). The 16-bit ones keep two on their way (deep_state_staging) and
+  // measured 0-2% slower with them (bf16 8,16,2048,64 0.086 / 0.268 -> 0.087 / 0.270, 1,16,32768,128
+  // 0.442 / 1.628 -> 0.450 / 1.649): whole segments. FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads
+  // of N chunks (0: whole segments) for any dtype, for measuring.
   {
     const int64_t segment_chunks = segment_length(p.L, segments, C) / C;
     const int64_t count = segment_count(p.L, segment_chunks * C);
-    int64_t head = count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, slots) : 0;
+    int64_t head = sizeof(scalar_t) == 4 && count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, slots) : 0;
     if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
     p.state_head = head < segment_chunks ? head * C : 0;
   }
