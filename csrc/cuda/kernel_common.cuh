@@ -311,6 +311,11 @@ struct SegmentWorkspace {
     if (p.segments > 1) {
       const int64_t pairs = p.num_seqs * p.H, n = pairs * p.segments;
       const auto options = at::TensorOptions().dtype(w.dtype).device(at::kCUDA);
+      // regions sharing one allocation start at 16 bytes (the scan's vector loads)
+      auto aligned = [](int64_t numel) {
+        constexpr int64_t kAlign = 16 / sizeof(acc_t);
+        return (numel + kAlign - 1) / kAlign * kAlign;
+      };
       if constexpr (P == Pass::Forward) {
         w.buffer = at::empty({pairs, p.segments, Da, Dc}, options);
         w.state = {w.buffer.data_ptr(), w.buffer.numel()};
@@ -318,9 +323,8 @@ struct SegmentWorkspace {
           w.key_sum_buffer = at::empty({pairs, p.segments, Da}, options);
           w.key_sum = {w.key_sum_buffer.data_ptr(), w.key_sum_buffer.numel()};
         }
-      } else {  // the state, then the extra row's sums (normalize) 16-byte aligned behind it
-        constexpr int64_t kAlign = 16 / sizeof(acc_t);
-        const int64_t state_numel = n * Da * Dc, extra_at = (state_numel + kAlign - 1) / kAlign * kAlign;
+      } else {  // the state, then the extra row's sums (normalize) behind it
+        const int64_t state_numel = n * Da * Dc, extra_at = aligned(state_numel);
         const int64_t extra_numel = p.normalize ? n * Dc : 0;
         w.buffer = at::empty({extra_at + extra_numel}, options);
         w.state = {w.buffer.data_ptr(), state_numel};
@@ -329,9 +333,7 @@ struct SegmentWorkspace {
       p.seg_state = w.state.data;
       p.seg_key_sum = w.key_sum.data;
       p.seg_extra = w.extra.data;
-      if (p.state_head > 0) {  // the tails' regions, as the heads', 16-byte aligned in one allocation
-        constexpr int64_t kAlign = 16 / sizeof(acc_t);
-        auto aligned = [](int64_t numel) { return (numel + kAlign - 1) / kAlign * kAlign; };
+      if (p.state_head > 0) {  // the tails' regions, as the heads', in one allocation
         const int64_t key_sum_at = aligned(w.state.numel), extra_at = key_sum_at + aligned(w.key_sum.numel);
         w.tail_buffer = at::empty({extra_at + w.extra.numel}, options);
         acc_t* base = w.tail_buffer.data_ptr<acc_t>();
