@@ -112,7 +112,7 @@ if has sanitize; then
   # the fused recurrent dk/dv pass (tiles of 16 timesteps, partial rows and columns)
   sanitize fused_recurrent "test_recurrent_fused_grad_kv and bhld and (B2H3L100E128M128 or B1H2L333E100M70)"
   # the state-only launch in heads and tails (tails' own regions, added by the scan; empty tails)
-  sanitize state_heads "test_tensor_core_state_heads_and_tails and 2x1x700x128x40 and normalized and (float32 or bfloat16)"
+  sanitize state_heads "test_tensor_core_state_heads_and_tails and B2H1L700E128M40 and normalized and (float32 or bfloat16)"
   # the dq pass starting from the forward's segment starts (read transposed)
   sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
 fi

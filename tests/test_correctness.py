@@ -251,7 +251,7 @@ def test_tensor_core_state_slots(shape, segments, slots, normalize, dtype, devic
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("head", [1, 3, 7])
 @pytest.mark.parametrize("segments,shape", [(2, (1, 2, 1000, 64, 64)), (3, (2, 1, 700, 128, 40))],
-                         ids=["2-1x2x1000x64x64", "3-2x1x700x128x40"])
+                         ids=lambda case: str(case) if isinstance(case, int) else shape_id(case))
 def test_tensor_core_state_heads_and_tails(shape, segments, head, normalize, dtype, device, use_kernel, monkeypatch):
     """The tensor-core state-only launch may split each segment into a head and a tail, one block
     each, the scan adding the two (KernelParams::state_head; the launcher does where whole
