@@ -259,19 +259,19 @@ struct MmaTraits<float> {
     uint32_t hi[2], lo[2];
   };
 
-  // The head: x rounded to TF32's 10 fraction bits (half an ulp added to the bits, then the 13 low
-  // bits cleared: CUTLASS's round_half_ulp_truncate), what cvt.rna.tf32.f32 gives for every
-  // finite x (ties away from zero; checked on 200,000 floats across the range, subnormals
-  // included) in two instructions where sm_90 emulates that cvt with an infinity check and a
-  // select (about eight). The tail: the exact remainder x - head, unrounded: the tensor core
-  // ignores an operand's 13 low bits, so it multiplies the tail truncated to TF32. Rounding it
-  // too (one more add an element) changed nothing measurable: a float64 emulation of the chunked
-  // forward with these operands (1,2,4096,64, 3xTF32, tail x tail dropped) gives 1.646e-7 relative
-  // error rounded and 1.645e-7 truncated (the tensor cores' own accumulation is the larger part of
-  // the 1.3e-6 measured on the H200). An infinite x gives NaN here (inf - inf in the tail), as it
-  // would in the sums of the products anyway.
+  // The head: x truncated to TF32's 10 fraction bits (its 13 low bits cleared, one instruction);
+  // the tail: the exact remainder x - head, which the tensor core truncates to TF32 in turn (it
+  // ignores an operand's 13 low bits). The split is most of float32's non-MMA instructions (every
+  // element of every operand, in every warp that loads it: at DA = 128 about 45% of the forward's,
+  // H200 ncu), so it is kept to two; a head rounded to nearest (half an ulp added first, CUTLASS's
+  // round_half_ulp_truncate) was one more. What the truncation costs: a float64 emulation of
+  // 3xTF32 products (tail x tail dropped; q, k ~ N(0, 1/E), v ~ N(0, 1); the state S = k^T v over
+  // 4096 and 32768 steps, then q S and the scores q k^T) gives 6.3e-7 relative error truncated
+  // against 1.1e-7 rounded, at both lengths, under the tensor cores' own accumulation (1.3e-6
+  // measured on the H200 with the rounded head) and float32's 1e-5 target. An infinite x gives
+  // NaN here (inf - inf in the tail), as it would in the sums of the products anyway.
   __device__ static void split(float x, uint32_t& hi, uint32_t& lo) {
-    hi = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    hi = __float_as_uint(x) & 0xffffe000u;
     lo = __float_as_uint(x - __uint_as_float(hi));
   }
   // A fragment (m16n8k8, tf32): a0 (row g, k q), a1 (row g + 8, k q), a2 (row g, k q + 4),
