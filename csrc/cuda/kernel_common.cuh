@@ -43,7 +43,7 @@ struct KernelParams : BackwardParams {
   // With two buffers, the state-only launch of 16-bit inputs may keep two chunks on their way in
   // three slots (see tensorcore_product_kernel); false keeps one, for measuring.
   bool deep_state_staging = true;
-  // float32 products may round their operands to TF32 once (instead of 3xTF32): only when the user
+  // float32 products may take their operands' TF32 heads alone (instead of 3xTF32): only when the user
   // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
   bool tf32 = false;
 
