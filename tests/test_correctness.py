@@ -455,6 +455,31 @@ def test_unknown_kernel_family_is_an_error(device, monkeypatch):
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+def test_float32_head_dim_128_takes_the_measured_families(device):
+    """The default's float32 crossover at E = M = 128 with more blocks than multiprocessors
+    (csrc/cuda/dispatch.cuh, measured on the H200): the forward on tensor cores, the backward on the
+    recurrent family (dq, then its fused dk/dv pass); and the result is float32-accurate."""
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    B = multiprocessors // 32 + 1  # B x 16 heads x 2 column tiles of 64: more blocks than multiprocessors
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, 16, 70, 128, 128, dtype=torch.float32, device=device))
+    grad = torch.randn(B, 16, 70, 128, dtype=torch.float32, device=device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        out = fast_causal_attn.causal_linear_attention(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        torch.cuda.synchronize()
+    kernels = {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    def ran(family, pass_index=None):
+        return [name for name in kernels if family in name and (pass_index is None or f"Pass){pass_index}" in name)]
+    assert ran("tensorcore_product_kernel", 0) and not ran("recurrent_product_kernel", 0), sorted(kernels)
+    assert ran("recurrent_product_kernel", 1) and ran("recurrent_grad_kv_kernel"), sorted(kernels)
+    assert not [name for name in ran("tensorcore_product_kernel") if "Pass)0" not in name], sorted(kernels)
+    ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
+    assert relative_error(out, ref_out) <= 1e-5
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert relative_error(g, r) <= 1e-5, f"d{name}"
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_on_tensor_cores_follows_torch_tf32_setting(allow_tf32, device, use_kernel):
     """float32 on the tensor-core kernels is exact float32 (3xTF32) unless the user has allowed TF32

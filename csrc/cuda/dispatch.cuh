@@ -67,29 +67,35 @@ KernelParams with_state_io(const KernelParams& p) {
 //  - float32 (3xTF32), Da <= 64: tensor cores (sixth session: 8,16,2048,64: 1.12 / 2.71;
 //    4,16,8192,64: 2.08 / 5.68; 2,4,8192,64 (8 blocks, segments scanned): 0.41-0.56 / 0.57;
 //    8,16,2048,64,128: 2.24 / 3.60).
-//  - float32, Da = 128: tensor cores (one block a multiprocessor: about 250 registers, 209 KB of
-//    shared memory) while the blocks fit one wave (1,16,32768,128: 12.2 / 20.8), recurrent beyond
-//    (8,16,2048,128: 5.06 / 4.18 with two recurrent passes for dk and dv, 3.19 with them fused,
-//    see run_grad_kv; sixth session).
+//  - float32, Da = 128: tensor cores (one block a multiprocessor: about 245 registers, 209 KB of
+//    shared memory) for the forward, and for the backward's passes while the blocks fit one wave
+//    (1,16,32768,128 fwd+bwd, tensor cores / recurrent: 12.2 / 20.8 in the sixth session, 8.27 /
+//    16.96 in the thirteenth),
+//    recurrent beyond (8,16,2048,128, sixth session: 5.06 / 4.18 with two recurrent passes for dk
+//    and dv, 3.19 with them fused, see run_grad_kv). Thirteenth session, 8,16,2048,128 (256
+//    blocks), fwd / fwd+bwd: tensor cores 0.886 / 3.642, recurrent 1.082 / 3.165 (its fused dk/dv
+//    pass 1.30): the forward alone moved to tensor cores.
 //  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
-//    products in one buffer); float64: recurrent (the chunked family was never faster than it:
-//    8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
-template <typename scalar_t>
+//    products in one buffer; thirteenth session 12.07 / 9.05); float64: recurrent (the chunked
+//    family was never faster than it: 8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
+template <Pass P, typename scalar_t>
 bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
   if constexpr (!kTensorCoreInput<scalar_t>) return false;
   if constexpr (!std::is_same_v<scalar_t, float>) return true;
   if (Da > 128) return false;
+  if (Da <= 64 || P == Pass::Forward) return true;
   const int64_t blocks = p.num_seqs * p.H * ((Dc + 63) / 64);  // 64 columns a block below DA = 256
-  return Da <= 64 || blocks <= multiprocessor_count();
+  return blocks <= multiprocessor_count();
 }
 
-// Whether a pass with the state's Da rows and Dc columns runs on tensor cores: forced where the
+// Whether pass P, with the state's Da rows and Dc columns, runs on tensor cores: forced where the
 // family can run it, else where it is the default.
-template <typename scalar_t>
+template <Pass P, typename scalar_t>
 bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
   const Family family = forced_family();
   return kTensorCoreInput<scalar_t> && Da <= kMaxTensorCoreRows &&
-         (family == Family::TensorCore || (family == Family::Default && tensorcore_by_default<scalar_t>(p, Da, Dc)));
+         (family == Family::TensorCore ||
+          (family == Family::Default && tensorcore_by_default<P, scalar_t>(p, Da, Dc)));
 }
 
 // Returns the forward's segment starts where the tensor-core family kept them (see ForwardSegments).
@@ -101,7 +107,7 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
   const int64_t Da = a_is_e ? p.E : p.M;
   const int64_t Dc = a_is_e ? p.M : p.E;
   const Family family = forced_family();
-  const bool tensorcore = on_tensor_cores<scalar_t>(p, Da, Dc);
+  const bool tensorcore = on_tensor_cores<P, scalar_t>(p, Da, Dc);
   // Only the tensor-core family keeps segments: a plan for any other ends here (a forced chunked
   // family is never on tensor cores).
   if (p.dry_run && !tensorcore) return {};
@@ -123,10 +129,10 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
   return {};
 }
 
-// Whether a pass with the state's Da rows and Dc columns runs on the recurrent family (see run_pass).
-template <typename scalar_t>
+// Whether pass P, with the state's Da rows and Dc columns, runs on the recurrent family (see run_pass).
+template <Pass P, typename scalar_t>
 bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
-  return !(forced_family() == Family::Chunked && Da <= kMaxChunkedRows) && !on_tensor_cores<scalar_t>(p, Da, Dc);
+  return !(forced_family() == Family::Chunked && Da <= kMaxChunkedRows) && !on_tensor_cores<P, scalar_t>(p, Da, Dc);
 }
 
 // The gradients of k and v in one pass, where both would run in the same family, without states
@@ -152,15 +158,16 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
   // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
   if constexpr (kTensorCoreInput<scalar_t>) {
-    if (p.E <= 64 && p.M <= 64 && on_tensor_cores<scalar_t>(p, p.M, p.E) && on_tensor_cores<scalar_t>(p, p.E, p.M)) {
+    if (p.E <= 64 && p.M <= 64 && on_tensor_cores<Pass::GradK, scalar_t>(p, p.M, p.E) &&
+        on_tensor_cores<Pass::GradV, scalar_t>(p, p.E, p.M)) {
       launch_tensorcore<Pass::GradKV, scalar_t, 64, 64>(p, p.M, p.E, stream);  // the dk pass's Da, Dc
       return true;
     }
   }
   if constexpr (std::is_same_v<scalar_t, float>) {
     const bool by_default = p.E > 64 && p.M > 64 && 2 * p.B * p.H > multiprocessor_count();
-    if (p.E <= kMaxFusedRecurrentDim && p.M <= kMaxFusedRecurrentDim && on_recurrent<scalar_t>(p, p.M, p.E) &&
-        on_recurrent<scalar_t>(p, p.E, p.M) && (forced || by_default)) {
+    if (p.E <= kMaxFusedRecurrentDim && p.M <= kMaxFusedRecurrentDim && on_recurrent<Pass::GradK, scalar_t>(p, p.M, p.E) &&
+        on_recurrent<Pass::GradV, scalar_t>(p, p.E, p.M) && (forced || by_default)) {
       run_recurrent_grad_kv<scalar_t>(p, stream);
       return true;
     }
