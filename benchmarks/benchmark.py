@@ -9,6 +9,7 @@ memory floor: the fewest bytes the pass must move (read q, k, v and write o; the
 reads dO and writes dq, dk, dv) over the copy bandwidth measured in the same run.
 """
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -161,6 +162,25 @@ def host_ms(fn, iters=20):
     return elapsed / iters * 1e3
 
 
+@contextlib.contextmanager
+def method_settings(environment, *, tf32):
+    """A method's switches while it is timed, profiled or checked: its environment variables
+    (FAST_CAUSAL_ATTN_KERNEL, a sweep's value, ...) and torch's TF32 switch for float32 matmuls."""
+    previous_tf32 = torch.backends.cuda.matmul.allow_tf32
+    previous = {variable: os.environ.get(variable) for variable in environment}
+    os.environ.update(environment)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        for variable, value in previous.items():
+            if value is None:
+                os.environ.pop(variable, None)
+            else:
+                os.environ[variable] = value
+        torch.backends.cuda.matmul.allow_tf32 = previous_tf32
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -279,17 +299,10 @@ def main():
                         print(f"warmed {name} {dtype} {shape}", flush=True)
                 continue
             for name, fn in cases.items():
-                os.environ.update(families.get(name, {}))
-                tf32 = torch.backends.cuda.matmul.allow_tf32
-                torch.backends.cuda.matmul.allow_tf32 = name.endswith("tf32")
-                try:
+                with method_settings(families.get(name, {}), tf32=name.endswith("tf32")):
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
                     errors = relative_errors(fn, *inputs, exact, blhd=name in fla) if exact else None
-                finally:
-                    for variable in families.get(name, {}):
-                        os.environ.pop(variable, None)
-                    torch.backends.cuda.matmul.allow_tf32 = tf32
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
@@ -299,8 +312,7 @@ def main():
                     print(f"{'':34} relative error vs float64: out {errors[0]:.2e}, dq {errors[1]:.2e}, "
                           f"dk {errors[2]:.2e}, dv {errors[3]:.2e}", flush=True)
                 if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
-                    os.environ.update(families.get(name, {}))
-                    try:
+                    with method_settings(families.get(name, {}), tf32=name.endswith("tf32")):
                         busy, host, graph = {}, {}, {}
                         for what, call in zip(("fwd", "fwd+bwd"), calls(fn, q, k, v, dout)):
                             busy[what], parts = kernel_breakdown(call)
@@ -312,9 +324,6 @@ def main():
                                 print(f"{'':34} {what:>7} CUDA graph capture failed: {str(error)[:120]}")
                             for ms, launches, kernel in parts[:6]:
                                 print(f"{'':34} {what:>7} {ms:8.4f} ms {launches:4.1f}x {kernel[:90]}")
-                    finally:
-                        for variable in families.get(name, {}):
-                            os.environ.pop(variable, None)
                     rows[-1].update(busy_fwd_ms=busy["fwd"], busy_fwd_bwd_ms=busy["fwd+bwd"],
                                     host_fwd_ms=host["fwd"], host_fwd_bwd_ms=host["fwd+bwd"],
                                     graph_fwd_ms=graph["fwd"], graph_fwd_bwd_ms=graph["fwd+bwd"])
