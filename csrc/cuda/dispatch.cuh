@@ -67,14 +67,13 @@ KernelParams with_state_io(const KernelParams& p) {
 //  - float32 (3xTF32), Da <= 64: tensor cores (sixth session: 8,16,2048,64: 1.12 / 2.71;
 //    4,16,8192,64: 2.08 / 5.68; 2,4,8192,64 (8 blocks, segments scanned): 0.41-0.56 / 0.57;
 //    8,16,2048,64,128: 2.24 / 3.60).
-//  - float32, Da = 128: tensor cores (one block a multiprocessor: about 245 registers, 209 KB of
-//    shared memory) for the forward, and for the backward's passes while the blocks fit one wave
-//    (1,16,32768,128 fwd+bwd, tensor cores / recurrent: 12.2 / 20.8 in the sixth session, 8.27 /
-//    16.96 in the thirteenth),
-//    recurrent beyond (8,16,2048,128, sixth session: 5.06 / 4.18 with two recurrent passes for dk
-//    and dv, 3.19 with them fused, see run_grad_kv). Thirteenth session, 8,16,2048,128 (256
-//    blocks), fwd / fwd+bwd: tensor cores 0.886 / 3.642, recurrent 1.082 / 3.165 (its fused dk/dv
-//    pass 1.30): the forward alone moved to tensor cores.
+//  - float32, Da = 128 (tensor cores hold one block a multiprocessor: about 245 registers, 209 KB
+//    of shared memory): the forward on tensor cores at any block count (thirteenth session,
+//    8,16,2048,128, 256 blocks: forward 0.886, 0.804 with the k-loops unrolled, against the
+//    recurrent family's 1.082); the backward's
+//    passes on tensor cores while their blocks fit one wave (1,16,32768,128 fwd+bwd 8.27 / 16.96,
+//    thirteenth session), recurrent beyond (8,16,2048,128 fwd+bwd with every pass on tensor cores
+//    3.64, with the recurrent backward 3.17: its fused dk/dv pass, see run_grad_kv, 1.30 ms).
 //  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
 //    products in one buffer; thirteenth session 12.07 / 9.05); float64: recurrent (the chunked
 //    family was never faster than it: 8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
