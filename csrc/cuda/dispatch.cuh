@@ -70,10 +70,10 @@ KernelParams with_state_io(const KernelParams& p) {
 //  - float32, Da = 128 (tensor cores hold one block a multiprocessor: about 245 registers, 209 KB
 //    of shared memory): the forward on tensor cores at any block count (thirteenth session,
 //    8,16,2048,128, 256 blocks: forward 0.886, 0.804 with the k-loops unrolled, against the
-//    recurrent family's 1.082); the backward's
-//    passes on tensor cores while their blocks fit one wave (1,16,32768,128 fwd+bwd 8.27 / 16.96,
-//    thirteenth session), recurrent beyond (8,16,2048,128 fwd+bwd with every pass on tensor cores
-//    3.64, with the recurrent backward 3.17: its fused dk/dv pass, see run_grad_kv, 1.30 ms).
+//    recurrent family's 1.082); the backward's passes on tensor cores while their blocks fit one
+//    wave (1,16,32768,128 fwd+bwd 8.27 / 16.96, thirteenth session), recurrent beyond
+//    (8,16,2048,128 fwd+bwd with every pass on tensor cores 3.64, with the recurrent backward
+//    3.17: its fused dk/dv pass, see run_grad_kv, 1.30 ms).
 //  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
 //    products in one buffer; thirteenth session 12.07 / 9.05); float64: recurrent (the chunked
 //    family was never faster than it: 8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
