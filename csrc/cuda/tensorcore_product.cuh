@@ -206,10 +206,10 @@ struct MmaTraits {  // float16, bfloat16: one m16n8k16 MMA a step, operands load
           : "r"(a.r[0]), "r"(a.r[1]), "r"(a.r[2]), "r"(a.r[3]), "r"(b.r[0]), "r"(b.r[1]));
     }
   }
-  // Two adjacent elements of the state copy (col even).
-  __device__ static void store_pair(Smem* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = pack(lo, hi); }
+  // Two adjacent elements (col even) at a shared-memory address: an output row's.
   __device__ static void store_pair_at(uint32_t address, float lo, float hi) { store_shared(address, pack(lo, hi)); }
-  // The same as kStateParts parts: part p of the copy at dst + p * part_stride (see kStateParts).
+  // Two adjacent elements of the state copy as kStateParts parts: part p at dst + p * part_stride
+  // (see kStateParts).
   __device__ static void store_state_pair(Smem* dst, size_t part_stride, float x, float y) {
     const uint32_t head = pack(x, y);
     *reinterpret_cast<uint32_t*>(dst) = head;
@@ -335,11 +335,10 @@ struct MmaTraits<float> {
     mma_tf32(d, a.hi, b.hi);
   }
   static constexpr int kStateParts = 1;  // the copy is float32
-  __device__ static void store_pair(Smem* dst, float lo, float hi) {
-    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
-  }
   __device__ static void store_pair_at(uint32_t address, float lo, float hi) { store_shared(address, lo, hi); }
-  __device__ static void store_state_pair(Smem* dst, size_t, float x, float y) { store_pair(dst, x, y); }
+  __device__ static void store_state_pair(Smem* dst, size_t, float x, float y) {
+    *reinterpret_cast<float2*>(dst) = make_float2(x, y);
+  }
   __device__ static uint32_t scale_word(uint32_t w, float f) { return __float_as_uint(__uint_as_float(w) * f); }
 };
 
