@@ -453,6 +453,12 @@ void run_recurrent(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t s
     if (Dc > kCols) launch_recurrent<P, scalar_t, 8, 16, kColsPerLane>(p, Da, Dc, stream);
     else launch_recurrent<P, scalar_t, 8, 16>(p, Da, Dc, stream);
   } else {  // 256 rows a block; above that, slabs of 256
+    if constexpr (kColsPerLane == 2) {
+      // As at Da = 128: two columns a lane, 16 warps of 16 rows (207 KB of shared memory, one
+      // block a multiprocessor) read a and b half as often a product as <32 rows, 8 warps, one
+      // column> (101 KB, two blocks).
+      if (Dc > kCols) return launch_recurrent<P, scalar_t, 16, 16, kColsPerLane>(p, Da, Dc, stream);
+    }
     launch_recurrent<P, scalar_t, 32, 8>(p, Da, Dc, stream);
   }
 }
