@@ -480,6 +480,34 @@ def test_float32_head_dim_128_takes_the_measured_families(device):
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
+@pytest.mark.parametrize("wave", ["one", "more"])
+def test_float32_head_dim_256_takes_the_measured_families(wave, device):
+    """The default's float32 crossover at E = M = 256 (csrc/cuda/dispatch.cuh, measured on the
+    H200): every pass on tensor cores while their blocks (32 columns each) fit one wave, every pass
+    on the recurrent family's two-columns-a-lane kernel beyond; float32-accurate either way."""
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
+    pairs = 2 if wave == "one" else multiprocessors // 8 + 1  # 8 blocks of 32 columns a pair
+    q, k, v = (x.requires_grad_() for x in make_inputs(pairs, 1, 70, 256, 256, dtype=torch.float32, device=device))
+    grad = torch.randn(pairs, 1, 70, 256, dtype=torch.float32, device=device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        out = fast_causal_attn.causal_linear_attention(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        torch.cuda.synchronize()
+    kernels = {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    products = [name for name in kernels if "_product_kernel" in name or "grad_kv_kernel" in name]
+    expected = "tensorcore_product_kernel" if wave == "one" else "recurrent_product_kernel"
+    for pass_index in range(4):
+        assert [name for name in products if expected in name and f"Pass){pass_index}" in name], sorted(kernels)
+    assert all(expected in name for name in products), sorted(kernels)
+    if wave == "more":
+        assert all("float, 16, 16, 2>" in name for name in products), sorted(kernels)
+    ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
+    assert relative_error(out, ref_out) <= 1e-5
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert relative_error(g, r) <= 1e-5, f"d{name}"
+
+
+@pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_on_tensor_cores_follows_torch_tf32_setting(allow_tf32, device, use_kernel):
     """float32 on the tensor-core kernels is exact float32 (3xTF32) unless the user has allowed TF32

@@ -74,16 +74,19 @@ KernelParams with_state_io(const KernelParams& p) {
 //    wave (1,16,32768,128 fwd+bwd 8.27 / 16.96, thirteenth session), recurrent beyond
 //    (8,16,2048,128 fwd+bwd with every pass on tensor cores 3.64, with the recurrent backward
 //    3.17: its fused dk/dv pass, see run_grad_kv, 1.30 ms).
-//  - float32, Da > 128: recurrent (4,16,2048,256: 16.7 / 9.0; DA = 256 keeps 3xTF32's three
-//    products in one buffer; thirteenth session 12.07 / 9.05); float64: recurrent (the chunked
-//    family was never faster than it: 8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
+//  - float32, Da in (128, 256] (DA = 256: 32 columns a block, 3xTF32's three products in one
+//    buffer): tensor cores while their blocks fit one wave, recurrent beyond (fourteenth
+//    session, fwd+bwd: 2,4,8192,256 (64 blocks) 6.64 / 7.71, every pass faster on tensor cores;
+//    4,16,2048,256 (512 blocks) 12.0 / 7.46); float64: recurrent (the chunked family was never
+//    faster than it: 8,16,2048,64 fp32 3.29 / 2.73, 1,16,32768,128 21.9 / 21.9).
 template <Pass P, typename scalar_t>
 bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
   if constexpr (!kTensorCoreInput<scalar_t>) return false;
   if constexpr (!std::is_same_v<scalar_t, float>) return true;
-  if (Da > 128) return false;
-  if (Da <= 64 || P == Pass::Forward) return true;
-  const int64_t blocks = p.num_seqs * p.H * ((Dc + 63) / 64);  // 64 columns a block below DA = 256
+  if (Da > kMaxTensorCoreRows) return false;
+  if (Da <= 64 || (Da <= 128 && P == Pass::Forward)) return true;
+  const int64_t columns = Da > 128 ? 32 : 64;  // a block's columns (see run_tensorcore)
+  const int64_t blocks = p.num_seqs * p.H * ((Dc + columns - 1) / columns);
   return blocks <= multiprocessor_count();
 }
 
