@@ -454,6 +454,22 @@ def test_unknown_kernel_family_is_an_error(device, monkeypatch):
         fast_causal_attn.causal_linear_attention(q, k, v)
 
 
+def float32_kernels_of_a_training_step(B, H, L, E, M, device):
+    """The CUDA kernels a float32 forward and backward of this shape ran (names, from the
+    profiler), after checking both float32-accurate against float64."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=torch.float32, device=device))
+    grad = torch.randn(B, H, L, M, dtype=torch.float32, device=device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        out = fast_causal_attn.causal_linear_attention(q, k, v)
+        grads = torch.autograd.grad(out, (q, k, v), grad)
+        torch.cuda.synchronize()
+    ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
+    assert relative_error(out, ref_out) <= 1e-5
+    for name, g, r in zip("qkv", grads, ref_grads):
+        assert relative_error(g, r) <= 1e-5, f"d{name}"
+    return {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 def test_float32_head_dim_128_takes_the_measured_families(device):
     """The default's float32 crossover at E = M = 128 with more blocks than multiprocessors
@@ -461,22 +477,13 @@ def test_float32_head_dim_128_takes_the_measured_families(device):
     recurrent family (dq, then its fused dk/dv pass); and the result is float32-accurate."""
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     B = multiprocessors // 32 + 1  # B x 16 heads x 2 column tiles of 64: more blocks than multiprocessors
-    q, k, v = (x.requires_grad_() for x in make_inputs(B, 16, 70, 128, 128, dtype=torch.float32, device=device))
-    grad = torch.randn(B, 16, 70, 128, dtype=torch.float32, device=device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        out = fast_causal_attn.causal_linear_attention(q, k, v)
-        grads = torch.autograd.grad(out, (q, k, v), grad)
-        torch.cuda.synchronize()
-    kernels = {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    kernels = float32_kernels_of_a_training_step(B, 16, 70, 128, 128, device)
+
     def ran(family, pass_index=None):
         return [name for name in kernels if family in name and (pass_index is None or f"Pass){pass_index}" in name)]
     assert ran("tensorcore_product_kernel", 0) and not ran("recurrent_product_kernel", 0), sorted(kernels)
     assert ran("recurrent_product_kernel", 1) and ran("recurrent_grad_kv_kernel"), sorted(kernels)
     assert not [name for name in ran("tensorcore_product_kernel") if "Pass)0" not in name], sorted(kernels)
-    ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
-    assert relative_error(out, ref_out) <= 1e-5
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert relative_error(g, r) <= 1e-5, f"d{name}"
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
@@ -487,13 +494,7 @@ def test_float32_head_dim_256_takes_the_measured_families(wave, device):
     on the recurrent family's two-columns-a-lane kernel beyond; float32-accurate either way."""
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count
     pairs = 2 if wave == "one" else multiprocessors // 8 + 1  # 8 blocks of 32 columns a pair
-    q, k, v = (x.requires_grad_() for x in make_inputs(pairs, 1, 70, 256, 256, dtype=torch.float32, device=device))
-    grad = torch.randn(pairs, 1, 70, 256, dtype=torch.float32, device=device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        out = fast_causal_attn.causal_linear_attention(q, k, v)
-        grads = torch.autograd.grad(out, (q, k, v), grad)
-        torch.cuda.synchronize()
-    kernels = {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    kernels = float32_kernels_of_a_training_step(pairs, 1, 70, 256, 256, device)
     products = [name for name in kernels if "_product_kernel" in name or "grad_kv_kernel" in name]
     expected = "tensorcore_product_kernel" if wave == "one" else "recurrent_product_kernel"
     for pass_index in range(4):
@@ -501,10 +502,6 @@ def test_float32_head_dim_256_takes_the_measured_families(wave, device):
     assert all(expected in name for name in products), sorted(kernels)
     if wave == "more":
         assert all("float, 16, 16, 2>" in name for name in products), sorted(kernels)
-    ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
-    assert relative_error(out, ref_out) <= 1e-5
-    for name, g, r in zip("qkv", grads, ref_grads):
-        assert relative_error(g, r) <= 1e-5, f"d{name}"
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
