@@ -85,7 +85,7 @@ bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
   if constexpr (!std::is_same_v<scalar_t, float>) return true;
   if (Da > kMaxTensorCoreRows) return false;
   if (Da <= 64 || (Da <= 128 && P == Pass::Forward)) return true;
-  const int64_t columns = Da > 128 ? 32 : 64;  // a block's columns (see run_tensorcore)
+  const int64_t columns = tensorcore_block_columns(Da);
   const int64_t blocks = p.num_seqs * p.H * ((Dc + columns - 1) / columns);
   return blocks <= multiprocessor_count();
 }

@@ -1196,6 +1196,10 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
 
 constexpr int64_t kMaxTensorCoreRows = 256;
 
+// The columns of c a tensor-core block owns (NB; see run_tensorcore): 64, or 32 where the state
+// has DA = 256 rows.
+constexpr int64_t tensorcore_block_columns(int64_t Da) { return Da > 128 ? 32 : 64; }
+
 template <typename scalar_t>
 constexpr bool kTensorCoreInput =
     std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, float>;
@@ -1205,7 +1209,7 @@ template <Pass P, typename scalar_t>
 ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
   if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 64) {
-      return launch_tensorcore<P, scalar_t, 64, 64>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 64, tensorcore_block_columns(64)>(p, Da, Dc, stream);
     } else if (Da <= 128) {
       // float32 at DA = 128 holds one block of 64 columns a multiprocessor (124 KB of shared
       // memory: 4 warps, one a scheduler). Blocks of 32 columns (two a multiprocessor, 97 KB,
@@ -1213,9 +1217,9 @@ ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cu
       // ms vs 5.06; 1,16,32768,128: 12.7 vs 12.2) and were removed. Slower for bfloat16 too, whose
       // two-part state copy leaves two blocks of 64 columns one chunk buffer (GPU busy fwd+bwd,
       // 32 / 64 columns: 8,16,2048,128 1.013 / 0.725 ms, 1,16,32768,128 2.259 / 1.746).
-      return launch_tensorcore<P, scalar_t, 128, 64>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 128, tensorcore_block_columns(128)>(p, Da, Dc, stream);
     } else {
-      return launch_tensorcore<P, scalar_t, 256, 32>(p, Da, Dc, stream);
+      return launch_tensorcore<P, scalar_t, 256, tensorcore_block_columns(256)>(p, Da, Dc, stream);
     }
   } else {
     TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16, bfloat16 and float32 inputs");
