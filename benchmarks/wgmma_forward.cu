@@ -17,6 +17,9 @@
 // the PTX ISA, or the other way round (kSwapOffsets); benchmarks/wgmma_probe.py checks both.
 // A two-warpgroup variant (chunks of 128, eight warps a multiprocessor) measured no faster on the
 // H200 and was removed (benchmarks/RESULTS.md, ninth session; its code: git history).
+// kTwoParts: the state's copy as two bf16 parts (S = hi + lo, Q S as two products), as the library
+// multiplies it for bfloat16 (one part: 2.35e-3 relative error against float64, over issue 5's
+// 2.3e-3; two: 1.7e-3); kStages 2, 3 or 4 chunks staged (1, 2 or 3 on their way).
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -26,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "wgmma.cuh"
 
@@ -87,6 +91,8 @@ __device__ __forceinline__ void store_state(const float (&d)[32], float* slot) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] = d[4 * j + e];
 }
+// kTwoParts: the head hi = bf16(S) at state_copy, the remainder bf16(S - hi) one tile after.
+template <bool kTwoParts>
 __device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t state_copy) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
@@ -95,8 +101,13 @@ __device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t sta
     for (int h = 0; h < 2; ++h) {
       const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
       const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(wgmma::pack(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]))
-                   : "memory");
+      const float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+      const uint32_t hi = wgmma::pack(x, y);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(hi) : "memory");
+      if constexpr (kTwoParts) {
+        const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + kTile), "r"(wgmma::pack(x - x_hi, y - y_hi)) : "memory");
+      }
     }
 }
 
@@ -144,16 +155,17 @@ __device__ __forceinline__ void write_rows(const float (&o)[32], __nv_bfloat16* 
 // One block a (batch, head, time segment): timesteps [segment segment_len, + segment_len) of L.
 // kStateOnly: the segment's own K^T V only, written to states[block] (float32 [64][64], rows e);
 // otherwise the outputs, starting from states[block] (the segments before, scanned) when given.
-template <int kStages, bool kStateOnly>
+template <int kStages, bool kStateOnly, bool kTwoParts>
 __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                             const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L,
                                                             int64_t segments, int64_t segment_len, float* states) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile: rows e, columns m), then the
-  // outputs' staging rows ([64][72] bf16).
+  // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile, rows e, columns m; two with
+  // kTwoParts: head, remainder), then the outputs' staging rows ([64][72] bf16).
+  constexpr int kParts = kTwoParts ? 2 : 1;
   const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 3 * kTile;
-  __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + kStages * 3 * kTile + kTile);
+  __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + (kStages * 3 + kParts) * kTile);
 
   const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
   const int64_t end = begin + segment_len < L ? begin + segment_len : L;  // this segment's timesteps
@@ -175,7 +187,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   float state[32];
   float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
   load_state(state, kStateOnly ? nullptr : slot);
-  auto publish = [&] { publish_state(state, state_copy); };
+  auto publish = [&] { publish_state<kTwoParts>(state, state_copy); };
   if (!kStateOnly) publish();
 
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -201,6 +213,10 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(score, k_along_columns(qt, s), k_along_columns(kt, s));  // Q K^T
     wgmma::commit();
+    if constexpr (kTwoParts) {  // the remainder first: the small terms first
+#pragma unroll
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy + kTile, s));
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
     wgmma::commit();
@@ -224,12 +240,12 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   if constexpr (kStateOnly) store_state(state, slot);
 }
 
-template <int kStages, bool kStateOnly>
+template <int kStages, bool kStateOnly, bool kTwoParts>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
             int64_t segments, int64_t segment_len, float* states) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int smem = kStages * 3 * kTile + kTile + 64 * (D + 8) * 2;
-  auto kernel = wgmma_forward_kernel<kStages, kStateOnly>;
+  const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + 64 * (D + 8) * 2;
+  auto kernel = wgmma_forward_kernel<kStages, kStateOnly, kTwoParts>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
@@ -240,32 +256,41 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 
 // segments > 1: each segment's K^T V first (state-only launch), scanned (exclusive, torch's
 // cumsum), then every segment's outputs from its start state.
-template <int kStages>
+template <int kStages, bool kTwoParts>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
          int64_t segments) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
   if (segments == 1) {
-    launch<kStages, false>(q, k, v, out, 1, L, nullptr);
+    launch<kStages, false, kTwoParts>(q, k, v, out, 1, L, nullptr);
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kStages, true>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
+  launch<kStages, true, kTwoParts>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
   auto starts = (sums.cumsum(1) - sums).contiguous();
-  launch<kStages, false>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
+  launch<kStages, false, kTwoParts>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments) {
+// parts: the state's copy in one bf16 part or two.
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments,
+                      int64_t parts) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
                 "the prototype takes contiguous bf16 [B, H, L, 64] q, k, v of one shape");
   }
   TORCH_CHECK(segments >= 1, "segments >= 1");
-  TORCH_CHECK(stages == 2 || stages == 3, "stages: 2 or 3");
+  TORCH_CHECK(stages >= 2 && stages <= 4, "stages: 2, 3 or 4");
+  TORCH_CHECK(parts == 1 || parts == 2, "parts: 1 or 2");
   auto out = torch::empty_like(v);
-  stages == 2 ? run<2>(q, k, v, out, segments) : run<3>(q, k, v, out, segments);
+  auto dispatch = [&](auto two_parts) {
+    constexpr bool kTwo = decltype(two_parts)::value;
+    if (stages == 2) run<2, kTwo>(q, k, v, out, segments);
+    if (stages == 3) run<3, kTwo>(q, k, v, out, segments);
+    if (stages == 4) run<4, kTwo>(q, k, v, out, segments);
+  };
+  parts == 2 ? dispatch(std::true_type{}) : dispatch(std::false_type{});
   return out;
 }
 
