@@ -267,7 +267,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kStages, true, kTwoParts>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());
+  launch<kStages, true, false>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());  // no state copy
   auto starts = (sums.cumsum(1) - sums).contiguous();
   launch<kStages, false, kTwoParts>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
 }
