@@ -594,8 +594,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   // unrolled 1 / 2 / 4, none spilling since the split is two instructions): 8,16,2048,64 0.740 /
   // 0.727 / 0.765; 4,16,8192,64 1.433 / 1.414 / 1.486; 1,16,32768,128 8.32 / 7.78 / 7.42;
   // 8,16,2048,64,128 (DA = 128 in the dq and dk passes) 1.678 / 1.597 / 1.554: 4 at DA = 128, 2 at
-  // 64. DA = 256 (float32 there only when forced) stays rolled: it spills a little either way, more
-  // unrolled. (With the three-instruction split, unrolled loops spilled at DA = 128 too.)
+  // 64. DA = 256 (float32 there by default only while its blocks fit one wave) stays rolled: it
+  // spills a little either way, more unrolled. (With the three-instruction split, unrolled loops spilled at DA = 128 too.)
   constexpr int kUnrollK = sizeof(Smem) != 4 ? 4 : DA == 128 ? 4 : DA == 64 ? 2 : 1;
   // 16-bit scores load B through a lane address kept a chunk (MmaTraits::lane_address)
   constexpr bool kLaneAddresses = sizeof(Smem) == 2;
