@@ -57,19 +57,36 @@ __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool vali
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
-// Rows [t0, t0 + 64) of a [L, 64] bf16 array into a staged tile, zeros past L: thread i copies
-// 16-byte pieces i, i + 128, ...: piece p is row 8 (p / 64) + p % 8, columns 8 ((p % 64) / 8) ..,
-// at byte 16 p of the tile, so that a warp writes 512 consecutive bytes.
-// `thread`: this thread's index in the 128 that stage the tile.
-__device__ __forceinline__ void stage(uint32_t tile, const __nv_bfloat16* x, int64_t t0, int64_t L, int thread) {
-#pragma unroll
-  for (int i = 0; i < C * D / 8 / 128; ++i) {
-    const int piece = thread + 128 * i;
-    const int row = 8 * (piece / 64) + piece % 8, col = 8 * ((piece % 64) / 8);
-    const bool inside = t0 + row < L;
-    copy_16(tile + 16 * piece, inside ? x + (t0 + row) * D + col : x, inside);
-  }
+__device__ __forceinline__ void copy_16_whole(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
+
+// Rows [t0, t0 + 64) of a [L, 64] bf16 array into a staged tile, zeros past the segment's end: the
+// tile's 16-byte piece p is row 8 (p / 64) + p % 8, columns 8 ((p % 64) / 8) .., at byte 16 p, so
+// that a warp writes 512 consecutive bytes. Thread t of the 128 copies pieces t + 128 i (i < 4):
+// rows row0 + 16 i of one column group, at bytes 16 t + 2048 i; its offsets are taken once, and a
+// whole chunk is copied without row tests. (Computed per piece and chunk with 64-bit products and
+// row tests, the copies' address arithmetic was the prototype's most-executed instructions and
+// their register moves its most-stalled: H200 ncu, 8,16,2048.)
+struct Stager {
+  int row0, col;
+  uint32_t offset;
+  __device__ explicit Stager(int thread)
+      : row0(8 * (thread / 64) + thread % 8), col(8 * ((thread % 64) / 8)), offset(16 * thread) {}
+  __device__ __forceinline__ void operator()(uint32_t tile, const __nv_bfloat16* x, int64_t t0, int64_t end) const {
+    const __nv_bfloat16* src = x + (t0 + row0) * D + col;
+    if (t0 + C <= end) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) copy_16_whole(tile + offset + 2048 * i, src + 16 * i * D);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const bool inside = t0 + row0 + 16 * i < end;
+        copy_16(tile + offset + 2048 * i, inside ? src + 16 * i * D : x, inside);
+      }
+    }
+  }
+};
 
 // A warpgroup's 64 x 64 accumulator, as wgmma lays it out: warp w rows 16 w + g (+8), n-tile j
 // columns 8 j + 2 q4 (+1) in d[4 j ..] (g = lane / 4, q4 = lane % 4). The state from a float32
@@ -173,35 +190,39 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   q += offset, k += offset, v += offset, out += offset;
   const int64_t chunks = end > begin ? (end - begin + C - 1) / C : 0;
 
-  auto tile_of = [&](int64_t chunk, int which) { return base + uint32_t((chunk % kStages) * 3 + which) * kTile; };
-  auto issue = [&](int64_t chunk) {
+  // Chunk `chunk` lives in stage slot chunk % kStages.
+  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
+  const Stager stage(threadIdx.x);
+  auto issue = [&](int64_t chunk, int slot) {
     if (chunk < chunks) {
-      if (!kStateOnly) stage(tile_of(chunk, 0), q, begin + chunk * C, end, threadIdx.x);
-      stage(tile_of(chunk, 1), k, begin + chunk * C, end, threadIdx.x);
-      stage(tile_of(chunk, 2), v, begin + chunk * C, end, threadIdx.x);
+      if (!kStateOnly) stage(tile_of(slot, 0), q, begin + chunk * C, end);
+      stage(tile_of(slot, 1), k, begin + chunk * C, end);
+      stage(tile_of(slot, 2), v, begin + chunk * C, end);
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
   // The state (columns 0 .. 63, see load_state); its bf16 copy is read by the next chunk's Q S.
   float state[32];
-  float* slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
-  load_state(state, kStateOnly ? nullptr : slot);
+  float* state_slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
+  load_state(state, kStateOnly ? nullptr : state_slot);
   auto publish = [&] { publish_state<kTwoParts>(state, state_copy); };
   if (!kStateOnly) publish();
 
-  for (int i = 0; i < kStages - 1; ++i) issue(i);
-  for (int64_t it = 0; it < chunks; ++it) {
+  for (int i = 0; i < kStages - 1; ++i) issue(i, i);
+  int slot = 0;  // chunk it's stage slot
+  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
     wgmma::fence_shared_writes();  // its tiles and the state copy, written by this thread, seen by wgmma
-    __syncthreads();               // ... and by every thread's; the stage chunk it + kStages - 1 fills is free
-    issue(it + kStages - 1);
-    const uint32_t qt = tile_of(it, 0), kt = tile_of(it, 1), vt = tile_of(it, 2);
+    __syncthreads();               // ... and by every thread's; the slot chunk it + kStages - 1 fills is free
+    const int next_slot = slot == 0 ? kStages - 1 : slot - 1;  // chunk it - 1's
+    const uint32_t qt = tile_of(slot, 0), kt = tile_of(slot, 1), vt = tile_of(slot, 2);
     if constexpr (kStateOnly) {
       wgmma::fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
       wgmma::commit();
+      issue(it + kStages - 1, next_slot);  // while the tensor cores work
       wgmma::wait<0>();
       continue;
     }
@@ -223,6 +244,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
     wgmma::commit();
+    issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
     wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
 
     uint32_t p[4][4];
@@ -237,7 +259,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
-  if constexpr (kStateOnly) store_state(state, slot);
+  if constexpr (kStateOnly) store_state(state, state_slot);
 }
 
 template <int kStages, bool kStateOnly, bool kTwoParts>
