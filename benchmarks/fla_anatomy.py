@@ -1,7 +1,9 @@
 """What fla's fused_chunk forward compiles to, beside this library's one-segment forward and the
-wgmma prototype's (benchmarks/wgmma_forward.cu: 3 stages, one segment, two state parts).
+wgmma prototype's (benchmarks/wgmma_forward.cu: 3 stages, one segment, two state parts; cp.async
+or TMA staging).
 
     python benchmarks/fla_anatomy.py [B H L D]        # autotune, time, and describe fla's kernel
+    python benchmarks/fla_anatomy.py 8 16 2048 64    # first: fla autotunes outside ncu
     ncu -k regex:fused_chunk_fwd python benchmarks/fla_anatomy.py 8 16 2048 64 --launches 3
 
 fla (flash-linear-attention) must be importable (third_party/, git-ignored). Prints the
@@ -54,7 +56,11 @@ qc, kc, vc = (x.contiguous() for x in (qh, kh, vh))
 
 
 def wgmma_prototype():
-    return prototype.forward(qc, kc, vc, 3, 1, 2)
+    return prototype.forward(qc, kc, vc, 3, 1, 2, False)
+
+
+def wgmma_prototype_tma():
+    return prototype.forward(qc, kc, vc, 3, 1, 2, True)
 
 
 if args.launches:
@@ -64,6 +70,7 @@ if args.launches:
         fla_forward()
         ours_one_segment()
         wgmma_prototype()
+        wgmma_prototype_tma()
     torch.cuda.synchronize()
     sys.exit(0)
 
@@ -71,11 +78,11 @@ from triton.testing import do_bench  # noqa: E402
 
 reference = torch.einsum("bhts,bhsm->bhtm", torch.einsum("bhte,bhse->bhts", qh.double(), kh.double()).tril(), vh.double())
 for name, fn in [("fla fused_chunk", fla_forward), ("ours, 1 segment", ours_one_segment),
-                 ("wgmma prototype", wgmma_prototype)]:
+                 ("wgmma prototype", wgmma_prototype), ("wgmma prototype, TMA", wgmma_prototype_tma)]:
     out = fn()
     out = out.transpose(1, 2) if name.startswith("fla") else out
     err = ((out.double() - reference).norm() / reference.norm()).item()
-    print(f"{name:18s} {do_bench(fn, warmup=50, rep=300, return_mode='median'):.4f} ms  relative error {err:.2e}")
+    print(f"{name:22s} {do_bench(fn, warmup=50, rep=300, return_mode='median'):.4f} ms  relative error {err:.2e}")
 
 best = getattr(fla_fused_chunk.fused_chunk_fwd_kernel, "best_config", None)
 print("fla autotuner's choice:", best)

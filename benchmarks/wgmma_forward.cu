@@ -19,12 +19,20 @@
 // H200 and was removed (benchmarks/RESULTS.md, ninth session; its code: git history).
 // kTwoParts: the state's copy as two bf16 parts (S = hi + lo, Q S as two products), as the library
 // multiplies it for bfloat16 (one part: 2.35e-3 relative error against float64, over issue 5's
-// 2.3e-3; two: 1.7e-3); kStages 2, 3 or 4 chunks staged (1, 2 or 3 on their way).
+// 2.3e-3; two: 1.7e-3); kStages 3 or 4 chunks staged (2 or 3 on their way; 2 stages were always
+// slower and were dropped). kTma: the chunks staged by the Tensor Memory Accelerator
+// (cp.async.bulk.tensor, one thread issuing a tile, an mbarrier a stage counting its bytes) instead
+// of every thread's 16-byte cp.async copies, whose address registers stalled the prototype
+// (benchmarks/RESULTS.md, fifteenth session). The TMA writes its box dimension 0 fastest, so its
+// tiles are column-blocked: element (r, c) at (c / 8) 1024 + (r / 8) 128 + (r % 8) 16 + (c % 8) 2,
+// the same core matrices arranged the other way round (the descriptors' offsets swap with them).
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -49,9 +57,55 @@ constexpr bool kSwapOffsets = WGMMA_SWAP_OFFSETS != 0;
 __device__ __forceinline__ uint64_t operand(uint32_t address, uint32_t k_bytes, uint32_t mn_bytes) {
   return kSwapOffsets ? wgmma::descriptor(address, mn_bytes, k_bytes) : wgmma::descriptor(address, k_bytes, mn_bytes);
 }
-// Operand views of a staged tile (rows r, columns c, see above), for k16 step s.
-__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return operand(tile + 256 * s, 128, 1024); }
-__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return operand(tile + 2048 * s, 1024, 128); }
+// Operand views of a staged tile (rows r, columns c, see above), for k16 step s: row-blocked
+// (the cp.async staging's and the state copy's) or, kColumnBlocked, the TMA's.
+template <bool kColumnBlocked = false>
+__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) {
+  return kColumnBlocked ? operand(tile + 2048 * s, 1024, 128) : operand(tile + 256 * s, 128, 1024);
+}
+template <bool kColumnBlocked = false>
+__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) {
+  return kColumnBlocked ? operand(tile + 256 * s, 128, 1024) : operand(tile + 2048 * s, 1024, 128);
+}
+
+// The TMA's side: an mbarrier a stage (one arrival, thread 0's, which also expects the stage's
+// bytes), and a tile of rows [row, row + 64) of one (batch, head) pair. The tensor map views a
+// [B, H, L, 64] array as 4-d {8 elements, L rows, 8 column groups, B H pairs} (strides 128 B, 16 B,
+// L 128 B), box {8, 64, 8, 1}: column-blocked tiles, and zeros for rows at or past L.
+__device__ __forceinline__ void barrier_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void barrier_expect(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n@!done bra WAIT;\n}\n" ::"r"(
+          bar),
+      "r"(parity)
+      : "memory");
+}
+// Where the driver refuses that view (its 16-byte stride for the column groups is smaller than the
+// rows'), a 3-d one, {64 elements, L rows, B H pairs} with box {8, 64, 1}: a tile in 8 loads, one
+// column group (1024 bytes) each. `pieces`: 1 (4-d) or 8 (3-d).
+__device__ __forceinline__ void tma_tile(uint32_t tile, const CUtensorMap* map, uint32_t bar, int row, int pair,
+                                         int pieces) {
+  if (pieces == 1) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %2, %4}], "
+        "[%5];\n" ::"r"(tile),
+        "l"(reinterpret_cast<uint64_t>(map)), "r"(0), "r"(row), "r"(pair), "r"(bar)
+        : "memory");
+  } else {
+    for (int group = 0; group < 8; ++group) {
+      asm volatile(
+          "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+          "[%5];\n" ::"r"(tile + 1024 * group),
+          "l"(reinterpret_cast<uint64_t>(map)), "r"(8 * group), "r"(row), "r"(pair), "r"(bar)
+          : "memory");
+    }
+  }
+}
 
 __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
@@ -172,17 +226,28 @@ __device__ __forceinline__ void write_rows(const float (&o)[32], __nv_bfloat16* 
 // One block a (batch, head, time segment): timesteps [segment segment_len, + segment_len) of L.
 // kStateOnly: the segment's own K^T V only, written to states[block] (float32 [64][64], rows e);
 // otherwise the outputs, starting from states[block] (the segments before, scanned) when given.
-template <int kStages, bool kStateOnly, bool kTwoParts>
+template <int kStages, bool kStateOnly, bool kTwoParts, bool kTma>
 __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k,
                                                             const __nv_bfloat16* v, __nv_bfloat16* out, int64_t L,
-                                                            int64_t segments, int64_t segment_len, float* states) {
+                                                            int64_t segments, int64_t segment_len, float* states,
+                                                            const __grid_constant__ CUtensorMap q_map,
+                                                            const __grid_constant__ CUtensorMap k_map,
+                                                            const __grid_constant__ CUtensorMap v_map,
+                                                            int tma_pieces) {
   extern __shared__ __align__(1024) unsigned char smem[];
   // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile, rows e, columns m; two with
-  // kTwoParts: head, remainder), then the outputs' staging rows ([64][72] bf16).
+  // kTwoParts: head, remainder), then the outputs' staging rows ([64][72] bf16), then (kTma) an
+  // mbarrier a stage.
   constexpr int kParts = kTwoParts ? 2 : 1;
   const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 3 * kTile;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + (kStages * 3 + kParts) * kTile);
+  const uint32_t bars = base + (kStages * 3 + kParts) * kTile + 64 * (D + 8) * 2;
+  if (kTma && threadIdx.x == 0) {
+    for (int i = 0; i < kStages; ++i) barrier_init(bars + 8 * i);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  if (kTma) __syncthreads();
 
   const int64_t pair = blockIdx.x / segments, begin = (blockIdx.x % segments) * segment_len;
   const int64_t end = begin + segment_len < L ? begin + segment_len : L;  // this segment's timesteps
@@ -194,12 +259,23 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
   const Stager stage(threadIdx.x);
   auto issue = [&](int64_t chunk, int slot) {
-    if (chunk < chunks) {
-      if (!kStateOnly) stage(tile_of(slot, 0), q, begin + chunk * C, end);
-      stage(tile_of(slot, 1), k, begin + chunk * C, end);
-      stage(tile_of(slot, 2), v, begin + chunk * C, end);
+    if constexpr (kTma) {
+      if (chunk < chunks && threadIdx.x == 0) {
+        const uint32_t bar = bars + 8 * slot;
+        const int row = int(begin + chunk * C), pair_index = int(pair);
+        barrier_expect(bar, (kStateOnly ? 2 : 3) * kTile);
+        if (!kStateOnly) tma_tile(tile_of(slot, 0), &q_map, bar, row, pair_index, tma_pieces);
+        tma_tile(tile_of(slot, 1), &k_map, bar, row, pair_index, tma_pieces);
+        tma_tile(tile_of(slot, 2), &v_map, bar, row, pair_index, tma_pieces);
+      }
+    } else {
+      if (chunk < chunks) {
+        if (!kStateOnly) stage(tile_of(slot, 0), q, begin + chunk * C, end);
+        stage(tile_of(slot, 1), k, begin + chunk * C, end);
+        stage(tile_of(slot, 2), v, begin + chunk * C, end);
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
 
   // The state (columns 0 .. 63, see load_state); its bf16 copy is read by the next chunk's Q S.
@@ -212,15 +288,19 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
   int slot = 0;  // chunk it's stage slot
   for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
-    wgmma::fence_shared_writes();  // its tiles and the state copy, written by this thread, seen by wgmma
+    if constexpr (kTma) {
+      barrier_wait(bars + 8 * slot, uint32_t(it / kStages) & 1);  // chunk it is staged
+    } else {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
+    }
+    wgmma::fence_shared_writes();  // its tiles (cp.async) and the state copy, written by this thread, seen by wgmma
     __syncthreads();               // ... and by every thread's; the slot chunk it + kStages - 1 fills is free
     const int next_slot = slot == 0 ? kStages - 1 : slot - 1;  // chunk it - 1's
     const uint32_t qt = tile_of(slot, 0), kt = tile_of(slot, 1), vt = tile_of(slot, 2);
     if constexpr (kStateOnly) {
       wgmma::fence();
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows<kTma>(kt, s), k_along_rows<kTma>(vt, s));  // S += K^T V
       wgmma::commit();
       issue(it + kStages - 1, next_slot);  // while the tensor cores work
       wgmma::wait<0>();
@@ -232,17 +312,19 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     for (int i = 0; i < 32; ++i) score[i] = 0.f, o[i] = 0.f;
     wgmma::fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 0>(score, k_along_columns(qt, s), k_along_columns(kt, s));  // Q K^T
+    for (int s = 0; s < 4; ++s) {
+      wgmma::mma_ss<0, 0>(score, k_along_columns<kTma>(qt, s), k_along_columns<kTma>(kt, s));  // Q K^T
+    }
     wgmma::commit();
     if constexpr (kTwoParts) {  // the remainder first: the small terms first
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy + kTile, s));
+      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy + kTile, s));
     }
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns(qt, s), k_along_rows(state_copy, s));  // Q S
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy, s));  // Q S
     wgmma::commit();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows(kt, s), k_along_rows(vt, s));  // S += K^T V
+    for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows<kTma>(kt, s), k_along_rows<kTma>(vt, s));  // S += K^T V
     wgmma::commit();
     issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
     wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
@@ -251,7 +333,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     pack_scores(score, p);
     wgmma::fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows(vt, s));  // O += P V
+    for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows<kTma>(vt, s));  // O += P V
     wgmma::commit();
     wgmma::wait<0>();
 
@@ -262,60 +344,113 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   if constexpr (kStateOnly) store_state(state, state_slot);
 }
 
-template <int kStages, bool kStateOnly, bool kTwoParts>
+// The TMA's view of a contiguous bf16 [B, H, L, 64] array (see tma_tile): 4-d, or where the
+// driver refuses it 3-d (`pieces` 1 or 8); rows past L read as zeros.
+struct Maps {
+  CUtensorMap q, k, v;
+  int pieces = 1;
+};
+bool encode_map(CUtensorMap& map, const torch::Tensor& x, int pieces) {
+  static const auto encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(fn != nullptr && found == cudaDriverEntryPointSuccess, "cuTensorMapEncodeTiled is not available");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  const cuuint64_t L = cuuint64_t(x.size(2)), pairs = cuuint64_t(x.size(0) * x.size(1));
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  auto encoded = [&](cuuint32_t rank, const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+    return encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, x.data_ptr(), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  if (pieces == 1) {
+    const cuuint64_t dims[4] = {8, L, 8, pairs};
+    const cuuint64_t strides[3] = {D * 2, 16, L * D * 2};  // bytes, of dimensions 1, 2, 3
+    const cuuint32_t box[4] = {8, C, 8, 1};
+    return encoded(4, dims, strides, box);
+  }
+  const cuuint64_t dims[3] = {D, L, pairs};
+  const cuuint64_t strides[2] = {D * 2, L * D * 2};
+  const cuuint32_t box[3] = {8, C, 1};
+  return encoded(3, dims, strides, box);
+}
+Maps tensor_maps(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  Maps maps;
+  for (int pieces : {1, 8}) {
+    maps.pieces = pieces;
+    if (encode_map(maps.q, q, pieces) && encode_map(maps.k, k, pieces) && encode_map(maps.v, v, pieces)) return maps;
+  }
+  TORCH_CHECK(false, "cuTensorMapEncodeTiled refused both views of q, k and v");
+  return maps;
+}
+
+template <int kStages, bool kStateOnly, bool kTwoParts, bool kTma>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
-            int64_t segments, int64_t segment_len, float* states) {
+            int64_t segments, int64_t segment_len, float* states, const Maps& maps) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + 64 * (D + 8) * 2;
-  auto kernel = wgmma_forward_kernel<kStages, kStateOnly, kTwoParts>;
+  const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + 64 * (D + 8) * 2 + (kTma ? 8 * kStages : 0);
+  auto kernel = wgmma_forward_kernel<kStages, kStateOnly, kTwoParts, kTma>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
-      segments, segment_len, states);
+      segments, segment_len, states, maps.q, maps.k, maps.v, maps.pieces);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // segments > 1: each segment's K^T V first (state-only launch), scanned (exclusive, torch's
 // cumsum), then every segment's outputs from its start state.
-template <int kStages, bool kTwoParts>
+template <int kStages, bool kTwoParts, bool kTma>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
          int64_t segments) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
+  const Maps maps = kTma ? tensor_maps(q, k, v) : Maps{};
   if (segments == 1) {
-    launch<kStages, false, kTwoParts>(q, k, v, out, 1, L, nullptr);
+    launch<kStages, false, kTwoParts, kTma>(q, k, v, out, 1, L, nullptr, maps);
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kStages, true, false>(q, k, v, out, segments, segment_len, sums.data_ptr<float>());  // no state copy
+  launch<kStages, true, false, kTma>(q, k, v, out, segments, segment_len, sums.data_ptr<float>(), maps);  // no state copy
   auto starts = (sums.cumsum(1) - sums).contiguous();
-  launch<kStages, false, kTwoParts>(q, k, v, out, segments, segment_len, starts.data_ptr<float>());
+  launch<kStages, false, kTwoParts, kTma>(q, k, v, out, segments, segment_len, starts.data_ptr<float>(), maps);
 }
 
-// parts: the state's copy in one bf16 part or two.
+// parts: the state's copy in one bf16 part or two; tma: staged by the TMA (else cp.async).
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments,
-                      int64_t parts) {
+                      int64_t parts, bool tma) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
                 "the prototype takes contiguous bf16 [B, H, L, 64] q, k, v of one shape");
   }
   TORCH_CHECK(segments >= 1, "segments >= 1");
-  TORCH_CHECK(stages >= 2 && stages <= 4, "stages: 2, 3 or 4");
+  TORCH_CHECK(stages == 3 || stages == 4, "stages: 3 or 4");
   TORCH_CHECK(parts == 1 || parts == 2, "parts: 1 or 2");
+  TORCH_CHECK(q.size(2) < (int64_t(1) << 31) && q.size(0) * q.size(1) < (int64_t(1) << 31),
+              "the TMA's coordinates are 32-bit");
   auto out = torch::empty_like(v);
-  auto dispatch = [&](auto two_parts) {
-    constexpr bool kTwo = decltype(two_parts)::value;
-    if (stages == 2) run<2, kTwo>(q, k, v, out, segments);
-    if (stages == 3) run<3, kTwo>(q, k, v, out, segments);
-    if (stages == 4) run<4, kTwo>(q, k, v, out, segments);
+  auto dispatch = [&](auto two_parts, auto with_tma) {
+    constexpr bool kTwo = decltype(two_parts)::value, kTma = decltype(with_tma)::value;
+    if (stages == 3) run<3, kTwo, kTma>(q, k, v, out, segments);
+    if (stages == 4) run<4, kTwo, kTma>(q, k, v, out, segments);
   };
-  parts == 2 ? dispatch(std::true_type{}) : dispatch(std::false_type{});
+  auto by_parts = [&](auto with_tma) {
+    parts == 2 ? dispatch(std::true_type{}, with_tma) : dispatch(std::false_type{}, with_tma);
+  };
+  tma ? by_parts(std::true_type{}) : by_parts(std::false_type{});
   return out;
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &forward); }
+// The TMA's loads a tile (1: the 4-d view, 8: the 3-d one the driver took instead), for the record.
+int64_t tma_pieces(torch::Tensor q, torch::Tensor k, torch::Tensor v) { return tensor_maps(q, k, v).pieces; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward);
+  m.def("tma_pieces", &tma_pieces);
+}

@@ -8,8 +8,9 @@ float64 at a small shape with a partial last chunk, and against this library at 
 shape), then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth
 measured here). The descriptor's offsets are in the PTX ISA's order (--swap: also or only the
 other way round). One warpgroup a block, chunks of 64 steps (a two-warpgroup variant measured no
-faster and was removed: benchmarks/RESULTS.md, ninth session); 2, 3 or 4 chunks staged; the
-state's copy in one bf16 part or two (the library's bfloat16 accuracy).
+faster and was removed: benchmarks/RESULTS.md, ninth session); 3 or 4 chunks staged, by every
+thread's cp.async copies or by the TMA; the state's copy in one bf16 part or two (the library's
+bfloat16 accuracy).
 """
 import argparse
 import os
@@ -68,15 +69,17 @@ def main():
     for swap in ((False, True) if args.swap == "auto" else (args.swap == "1",)):
         candidate = load(swap)
         # 3 segments asked: 2, of 128 and 22 steps
-        errors = {(stages, segments, parts): relative_error(candidate.forward(q, k, v, stages, segments, parts).cpu(),
-                                                            exact)
-                  for stages in (2, 3, 4) for segments in (1, 3) for parts in (1, 2)}
+        errors = {(stages, segments, parts, tma): relative_error(
+                      candidate.forward(q, k, v, stages, segments, parts, tma).cpu(), exact)
+                  for stages in (3, 4) for segments in (1, 3) for parts in (1, 2) for tma in (False, True)}
         print(f"float64 check, 2,3,150, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
-              f"error {max(errors.values()):.2e} at most over 2-4 stages, 1 or 3 segments, 1 or 2 state parts; "
-              f"this library {library:.2e}")
+              f"error {max(errors.values()):.2e} at most over 3-4 stages, 1 or 3 segments, 1 or 2 state parts, "
+              f"cp.async or TMA; this library {library:.2e}")
+        print(f"  the TMA loads a tile in {candidate.tma_pieces(q, k, v)} piece(s) (1: the 4-d view; 8: the 3-d one)")
         for parts in (1, 2):
-            worst = max(e for (_, _, pa), e in errors.items() if pa == parts)
-            print(f"  state copy in {parts} bf16 part(s): at most {worst:.2e}")
+            for tma in (False, True):
+                worst = max(e for (_, _, pa, tm), e in errors.items() if pa == parts and tm == tma)
+                print(f"  state copy in {parts} bf16 part(s), {'TMA' if tma else 'cp.async'}: at most {worst:.2e}")
         if module is None and max(errors.values()) < 4 * max(library, 2.0**-8):
             module = candidate
     if module is None:
@@ -96,11 +99,12 @@ def main():
         # segments as this library picks them: a wave of blocks (3 a multiprocessor), 256 steps at least
         cases = {}
         segments = max(1, min(132 * 3 // (B * H), L // 256))
-        for st in (2, 3, 4):
+        for st in (3, 4):
             for sg in sorted({1, segments}):
                 for pa in (1, 2):
-                    cases[f"wgmma {st} stages, {sg} segm., {pa} part(s)"] = (
-                        lambda st=st, sg=sg, pa=pa: module.forward(q, k, v, st, sg, pa))
+                    for tma in (False, True):
+                        cases[f"wgmma {st} st., {sg} segm., {pa} part(s){', TMA' if tma else ''}"] = (
+                            lambda st=st, sg=sg, pa=pa, tma=tma: module.forward(q, k, v, st, sg, pa, tma))
         cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
 
         def one_segment():
