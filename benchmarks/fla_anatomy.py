@@ -56,11 +56,11 @@ qc, kc, vc = (x.contiguous() for x in (qh, kh, vh))
 
 
 def wgmma_prototype():
-    return prototype.forward(qc, kc, vc, 3, 1, 2, False)
+    return prototype.forward(qc, kc, vc, 3, 1, 2, False, False)
 
 
 def wgmma_prototype_tma():
-    return prototype.forward(qc, kc, vc, 3, 1, 2, True)
+    return prototype.forward(qc, kc, vc, 3, 1, 2, True, False)
 
 
 if args.launches:

@@ -31,15 +31,17 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t address, uint32_t leadin
 
 // d (64 x 64 float32: warp w rows 16w + g (+8), n-tile j columns 8j + 2q (+1) in d[4j ..], as
 // mma.sync's accumulators) += A B^T, A and B from shared memory; kTransA / kTransB: the operand
-// is MN-major there.
+// is MN-major there. accumulate = false: d = A B^T, d's values ignored (an accumulator's first
+// product: zeroing d with ordinary instructions instead let nvcc place the zeros between two
+// wgmma groups, where ptxas then waited for every product in flight, C7517).
 template <int kTransA, int kTransB>
-__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b) {
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, bool accumulate = true) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " WGMMA_D32_LIST
       ", %32, %33, p, 1, 1, %35, %36;\n}\n"
       : WGMMA_D32(d)
-      : "l"(a), "l"(b), "r"(1), "n"(kTransA), "n"(kTransB));
+      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransA), "n"(kTransB));
 }
 // The same with A from registers: each warp its 16 rows in mma.sync's m16n8k16 A fragment.
 template <int kTransB>

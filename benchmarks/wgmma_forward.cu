@@ -184,13 +184,15 @@ __device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t sta
 
 // A 64 x 64 block of scores as the bf16 A fragments of P V (each warp its 16 rows in mma.sync's
 // m16n8k16 A layout), zero above the diagonal (the causal mask: row t, column s, s <= t kept).
-__device__ __forceinline__ void pack_scores(float (&score)[32], uint32_t (&p)[4][4]) {
+// reverse: zero below the diagonal instead (s >= t kept: the backward's dk and dv passes).
+__device__ __forceinline__ void pack_scores(float (&score)[32], uint32_t (&p)[4][4], bool reverse) {
   const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (8 * j + 2 * q4 + e % 2 > 16 * warp + g + 8 * (e / 2)) score[4 * j + e] = 0.f;
+      const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
+      if (reverse ? column < row : column > row) score[4 * j + e] = 0.f;
     }
 #pragma unroll
   for (int s = 0; s < 4; ++s)
@@ -224,6 +226,9 @@ __device__ __forceinline__ void write_rows(const float (&o)[32], __nv_bfloat16* 
 }
 
 // One block a (batch, head, time segment): timesteps [segment segment_len, + segment_len) of L.
+// reverse: the chunks from the segment's last to its first, each output the sum over s >= t
+// (the shape of the backward's dk and dv passes: q, k, v stand for their a, b and c; the forward
+// one stands for the dq pass's).
 // kStateOnly: the segment's own K^T V only, written to states[block] (float32 [64][64], rows e);
 // otherwise the outputs, starting from states[block] (the segments before, scanned) when given.
 template <int kStages, bool kStateOnly, bool kTwoParts, bool kTma>
@@ -233,7 +238,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
                                                             const __grid_constant__ CUtensorMap q_map,
                                                             const __grid_constant__ CUtensorMap k_map,
                                                             const __grid_constant__ CUtensorMap v_map,
-                                                            int tma_pieces) {
+                                                            int tma_pieces, bool reverse) {
   extern __shared__ __align__(1024) unsigned char smem[];
   // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile, rows e, columns m; two with
   // kTwoParts: head, remainder), then the outputs' staging rows ([64][72] bf16), then (kTma) an
@@ -254,6 +259,8 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   const int64_t offset = pair * L * D;
   q += offset, k += offset, v += offset, out += offset;
   const int64_t chunks = end > begin ? (end - begin + C - 1) / C : 0;
+  // the first timestep of the chunk processed `it`-th
+  auto chunk_start = [&](int64_t it) { return begin + (reverse ? chunks - 1 - it : it) * C; };
 
   // Chunk `chunk` lives in stage slot chunk % kStages.
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
@@ -262,7 +269,7 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     if constexpr (kTma) {
       if (chunk < chunks && threadIdx.x == 0) {
         const uint32_t bar = bars + 8 * slot;
-        const int row = int(begin + chunk * C), pair_index = int(pair);
+        const int row = int(chunk_start(chunk)), pair_index = int(pair);
         barrier_expect(bar, (kStateOnly ? 2 : 3) * kTile);
         if (!kStateOnly) tma_tile(tile_of(slot, 0), &q_map, bar, row, pair_index, tma_pieces);
         tma_tile(tile_of(slot, 1), &k_map, bar, row, pair_index, tma_pieces);
@@ -270,9 +277,9 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
       }
     } else {
       if (chunk < chunks) {
-        if (!kStateOnly) stage(tile_of(slot, 0), q, begin + chunk * C, end);
-        stage(tile_of(slot, 1), k, begin + chunk * C, end);
-        stage(tile_of(slot, 2), v, begin + chunk * C, end);
+        if (!kStateOnly) stage(tile_of(slot, 0), q, chunk_start(chunk), end);
+        stage(tile_of(slot, 1), k, chunk_start(chunk), end);
+        stage(tile_of(slot, 2), v, chunk_start(chunk), end);
       }
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
@@ -307,21 +314,23 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
       continue;
     }
 
-    float score[32], o[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) score[i] = 0.f, o[i] = 0.f;
+    float score[32], o[32];  // set by their first products (accumulate = false)
     wgmma::fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      wgmma::mma_ss<0, 0>(score, k_along_columns<kTma>(qt, s), k_along_columns<kTma>(kt, s));  // Q K^T
+      wgmma::mma_ss<0, 0>(score, k_along_columns<kTma>(qt, s), k_along_columns<kTma>(kt, s), s > 0);  // Q K^T
     }
     wgmma::commit();
     if constexpr (kTwoParts) {  // the remainder first: the small terms first
 #pragma unroll
-      for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy + kTile, s));
+      for (int s = 0; s < 4; ++s) {
+        wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy + kTile, s), s > 0);
+      }
     }
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy, s));  // Q S
+    for (int s = 0; s < 4; ++s) {  // Q S
+      wgmma::mma_ss<0, 1>(o, k_along_columns<kTma>(qt, s), k_along_rows(state_copy, s), kTwoParts || s > 0);
+    }
     wgmma::commit();
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_ss<1, 1>(state, k_along_rows<kTma>(kt, s), k_along_rows<kTma>(vt, s));  // S += K^T V
@@ -330,14 +339,14 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::wait<1>();  // the scores and Q S (P V accumulates into o next); K^T V may still run
 
     uint32_t p[4][4];
-    pack_scores(score, p);
+    pack_scores(score, p, reverse);
     wgmma::fence();
 #pragma unroll
     for (int s = 0; s < 4; ++s) wgmma::mma_rs<1>(o, p[s], k_along_rows<kTma>(vt, s));  // O += P V
     wgmma::commit();
     wgmma::wait<0>();
 
-    write_rows(o, out_rows, out, begin + it * C, end);
+    write_rows(o, out_rows, out, chunk_start(it), end);
     __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
     publish();        // S after this chunk, for the next
   }
@@ -388,7 +397,7 @@ Maps tensor_maps(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
 
 template <int kStages, bool kStateOnly, bool kTwoParts, bool kTma>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
-            int64_t segments, int64_t segment_len, float* states, const Maps& maps) {
+            int64_t segments, int64_t segment_len, float* states, const Maps& maps, bool reverse) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + 64 * (D + 8) * 2 + (kTma ? 8 * kStages : 0);
   auto kernel = wgmma_forward_kernel<kStages, kStateOnly, kTwoParts, kTma>;
@@ -396,7 +405,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
-      segments, segment_len, states, maps.q, maps.k, maps.v, maps.pieces);
+      segments, segment_len, states, maps.q, maps.k, maps.v, maps.pieces, reverse);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -404,24 +413,29 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 // cumsum), then every segment's outputs from its start state.
 template <int kStages, bool kTwoParts, bool kTma>
 void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
-         int64_t segments) {
+         int64_t segments, bool reverse) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
   const Maps maps = kTma ? tensor_maps(q, k, v) : Maps{};
   if (segments == 1) {
-    launch<kStages, false, kTwoParts, kTma>(q, k, v, out, 1, L, nullptr, maps);
+    launch<kStages, false, kTwoParts, kTma>(q, k, v, out, 1, L, nullptr, maps, reverse);
     return;
   }
   auto sums = torch::empty({pairs, segments, D, D}, q.options().dtype(at::kFloat));
-  launch<kStages, true, false, kTma>(q, k, v, out, segments, segment_len, sums.data_ptr<float>(), maps);  // no state copy
-  auto starts = (sums.cumsum(1) - sums).contiguous();
-  launch<kStages, false, kTwoParts, kTma>(q, k, v, out, segments, segment_len, starts.data_ptr<float>(), maps);
+  launch<kStages, true, false, kTma>(q, k, v, out, segments, segment_len, sums.data_ptr<float>(), maps,
+                                     reverse);  // no state copy
+  // each segment starts from the sum of those before it (reverse: after it)
+  auto starts = (reverse ? sums.flip(1).cumsum(1).flip(1) : sums.cumsum(1)) - sums;
+  starts = starts.contiguous();
+  launch<kStages, false, kTwoParts, kTma>(q, k, v, out, segments, segment_len, starts.data_ptr<float>(), maps,
+                                          reverse);
 }
 
-// parts: the state's copy in one bf16 part or two; tma: staged by the TMA (else cp.async).
+// parts: the state's copy in one bf16 part or two; tma: staged by the TMA (else cp.async);
+// reverse: out[t] = sum over s >= t (see wgmma_forward_kernel).
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t stages, int64_t segments,
-                      int64_t parts, bool tma) {
+                      int64_t parts, bool tma, bool reverse) {
   for (const auto& x : {q, k, v}) {
     TORCH_CHECK(x.is_cuda() && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() == 4 &&
                     x.size(3) == D && x.sizes() == q.sizes(),
@@ -435,8 +449,8 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t
   auto out = torch::empty_like(v);
   auto dispatch = [&](auto two_parts, auto with_tma) {
     constexpr bool kTwo = decltype(two_parts)::value, kTma = decltype(with_tma)::value;
-    if (stages == 3) run<3, kTwo, kTma>(q, k, v, out, segments);
-    if (stages == 4) run<4, kTwo, kTma>(q, k, v, out, segments);
+    if (stages == 3) run<3, kTwo, kTma>(q, k, v, out, segments, reverse);
+    if (stages == 4) run<4, kTwo, kTma>(q, k, v, out, segments, reverse);
   };
   auto by_parts = [&](auto with_tma) {
     parts == 2 ? dispatch(std::true_type{}, with_tma) : dispatch(std::false_type{}, with_tma);
