@@ -20,6 +20,9 @@
 #                               # carried with third_party); it is built in place beside this tree
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
+#   STAGES="build anatomy" ...  # fla's fused_chunk forward beside our one segment and the wgmma
+#                               # prototype (benchmarks/fla_anatomy.py), then ncu of the three:
+#                               # durations, instructions, stalls by opcode (ANATOMY="B H L D")
 #
 # Logs and benchmark results go to $OUT (the device tool brings that folder back). The tests stage
 # runs the CUDA tests and every error test (the error paths once crashed only on that machine).
@@ -140,6 +143,21 @@ fi
 
 if has host; then  # the host's time to issue a call, by op and CUDA runtime call
   python benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_profile.log"
+fi
+
+if has anatomy; then  # fla autotunes in the timing run first: under ncu its autotuning launches
+  # would be the ones profiled
+  shape=${ANATOMY:-"8 16 2048 64"}
+  python benchmarks/fla_anatomy.py $shape 2>&1 | grep -v "^{" | tee "$OUT/anatomy.log"
+  ncu --clock-control none -k regex:"fused_chunk_fwd|tensorcore_product|wgmma_forward" --launch-skip 4 \
+    --launch-count 4 --set full --import-source yes -f -o /tmp/anatomy \
+    python benchmarks/fla_anatomy.py $shape --launches 3 >"$OUT/anatomy_ncu.log" 2>&1
+  ncu -i /tmp/anatomy.ncu-rep --page details >"$OUT/anatomy_details.txt" 2>&1
+  grep -E "fused_chunk_fwd|tensorcore_product_kernel|wgmma_forward_kernel|Duration|Executed Ipc A|Warp Cycles Per Issued|Executed Instructions  |Registers Per|Memory Throughput  " \
+    "$OUT/anatomy_details.txt" | head -48
+  ncu -i /tmp/anatomy.ncu-rep --page source --csv --print-source sass >/tmp/anatomy_sass.csv 2>&1
+  python benchmarks/sass_summary.py /tmp/anatomy_sass.csv --top 20 >"$OUT/anatomy_sass_summary.txt" 2>&1
+  head -c 6000 "$OUT/anatomy_sass_summary.txt"
 fi
 
 if has wgmma; then  # the wgmma (sm_90a) forward prototype checked and timed; WGMMA_PROBE=1 first
