@@ -26,6 +26,9 @@
 // (benchmarks/RESULTS.md, fifteenth session). The TMA writes its box dimension 0 fastest, so its
 // tiles are column-blocked: element (r, c) at (c / 8) 1024 + (r / 8) 128 + (r % 8) 16 + (c % 8) 2,
 // the same core matrices arranged the other way round (the descriptors' offsets swap with them).
+// kTma also writes the outputs by TMA (stmatrix into a column-blocked tile, one bulk store a
+// chunk, two tiles in turn) and the state copy by stmatrix, where the cp.async variant stores
+// 32-bit words and each lane writes 16-byte pieces of rows to global memory.
 // benchmarks/wgmma_forward.py builds this, checks it against float64 and times it.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
@@ -66,6 +69,30 @@ __device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) {
 template <bool kColumnBlocked = false>
 __device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) {
   return kColumnBlocked ? operand(tile + 256 * s, 128, 1024) : operand(tile + 2048 * s, 1024, 128);
+}
+
+// A column-blocked tile to rows [row, row + 64) of a pair (kTma's outputs; rows at or past L are
+// not written), as a bulk group of this thread's; `pieces` as in tma_tile.
+__device__ __forceinline__ void tma_store(uint32_t tile, const CUtensorMap* map, int row, int pair, int pieces) {
+  if (pieces == 1) {
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%1, %2, %1, %3}], [%4];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(0), "r"(row), "r"(pair), "r"(tile)
+                 : "memory");
+  } else {
+    for (int group = 0; group < 8; ++group) {
+      asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];\n" ::"l"(
+                       reinterpret_cast<uint64_t>(map)),
+                   "r"(8 * group), "r"(row), "r"(pair), "r"(tile + 1024 * group)
+                   : "memory");
+    }
+  }
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Until this thread's bulk stores but the kPending latest have read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 // The TMA's side: an mbarrier a stage (one arrival, thread 0's, which also expects the stage's
@@ -182,6 +209,43 @@ __device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t sta
     }
 }
 
+// kTma's epilogue: stmatrix stores four 8 x 8 bf16 blocks from the accumulator layout (lane l's
+// registers hold row l / 4, columns 2 (l % 4) .. + 1 of each block; lane l gives the address of
+// row l % 8 of block l / 8). packed[2 j + h]: this thread's pair of block (rows 16 warp + 8 h ..,
+// columns 8 j ..). Both tile layouts keep an 8 x 8 block in 128 contiguous bytes, rows 16 apart:
+// row-blocked (the state copy: block (r / 8, c / 8) at (r / 8) 1024 + (c / 8) 128) or column-blocked
+// (the TMA's: at (c / 8) 1024 + (r / 8) 128). 4 stmatrix where 16 st.shared.b32 went.
+template <bool kColumnBlocked>
+__device__ __forceinline__ void store_blocks(const uint32_t (&packed)[16], uint32_t tile) {
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, block = lane / 8;
+  const int row = 16 * warp + (block % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int j = 0; j < 8; j += 2) {
+    const int column_block = j + block / 2;
+    const uint32_t at = tile + (kColumnBlocked ? column_block * 1024 + (row / 8) * 128 : (row / 8) * 1024 + column_block * 128) +
+                        (row % 8) * 16;
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(packed[2 * j]),
+                 "r"(packed[2 * j + 1]), "r"(packed[2 * j + 2]), "r"(packed[2 * j + 3])
+                 : "memory");
+  }
+}
+// The accumulator rounded to bf16 pairs for store_blocks; with `remainder`, also the remainder
+// pairs bf16(d - bf16(d)) (the state copy's second part).
+__device__ __forceinline__ void pack_blocks(const float (&d)[32], uint32_t (&head)[16], uint32_t (&remainder)[16],
+                                            bool with_remainder) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
+      const uint32_t hi = wgmma::pack(x, y);
+      head[2 * j + h] = hi;
+      if (with_remainder) {
+        remainder[2 * j + h] = wgmma::pack(x - __uint_as_float(hi << 16), y - __uint_as_float(hi & 0xffff0000u));
+      }
+    }
+}
+
 // A 64 x 64 block of scores as the bf16 A fragments of P V (each warp its 16 rows in mma.sync's
 // m16n8k16 A layout), zero above the diagonal (the causal mask: row t, column s, s <= t kept).
 // reverse: zero below the diagonal instead (s >= t kept: the backward's dk and dv passes).
@@ -238,16 +302,19 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
                                                             const __grid_constant__ CUtensorMap q_map,
                                                             const __grid_constant__ CUtensorMap k_map,
                                                             const __grid_constant__ CUtensorMap v_map,
+                                                            const __grid_constant__ CUtensorMap o_map,
                                                             int tma_pieces, bool reverse) {
   extern __shared__ __align__(1024) unsigned char smem[];
   // [kStages][Q, K, V tiles], then the state's bf16 copy (a tile, rows e, columns m; two with
-  // kTwoParts: head, remainder), then the outputs' staging rows ([64][72] bf16), then (kTma) an
-  // mbarrier a stage.
+  // kTwoParts: head, remainder), then the outputs: cp.async's staging rows ([64][72] bf16), or
+  // kTma's two column-blocked tiles (chunk it's in it % 2, stored by the TMA while the next chunk
+  // is worked on) and an mbarrier a stage.
   constexpr int kParts = kTwoParts ? 2 : 1;
   const uint32_t base = wgmma::smem_address(smem);
   const uint32_t state_copy = base + kStages * 3 * kTile;
+  const uint32_t epilogue = base + (kStages * 3 + kParts) * kTile;
   __nv_bfloat16* out_rows = reinterpret_cast<__nv_bfloat16*>(smem + (kStages * 3 + kParts) * kTile);
-  const uint32_t bars = base + (kStages * 3 + kParts) * kTile + 64 * (D + 8) * 2;
+  const uint32_t bars = epilogue + 2 * kTile;
   if (kTma && threadIdx.x == 0) {
     for (int i = 0; i < kStages; ++i) barrier_init(bars + 8 * i);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -289,13 +356,24 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
   float state[32];
   float* state_slot = states != nullptr ? states + int64_t(blockIdx.x) * D * D : nullptr;
   load_state(state, kStateOnly ? nullptr : state_slot);
-  auto publish = [&] { publish_state<kTwoParts>(state, state_copy); };
+  auto publish = [&] {
+    if constexpr (kTma) {  // stmatrix (see store_blocks)
+      uint32_t head[16], remainder[16];
+      pack_blocks(state, head, remainder, kTwoParts);
+      store_blocks<false>(head, state_copy);
+      if constexpr (kTwoParts) store_blocks<false>(remainder, state_copy + kTile);
+    } else {
+      publish_state<kTwoParts>(state, state_copy);
+    }
+  };
   if (!kStateOnly) publish();
 
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
   int slot = 0;  // chunk it's stage slot
   for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
     if constexpr (kTma) {
+      // chunk it - 2's output store has read its tile, which this chunk's outputs take
+      if (!kStateOnly && threadIdx.x == 0) tma_store_wait_read<1>();
       barrier_wait(bars + 8 * slot, uint32_t(it / kStages) & 1);  // chunk it is staged
     } else {
       asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
@@ -346,17 +424,28 @@ __global__ void __launch_bounds__(128) wgmma_forward_kernel(const __nv_bfloat16*
     wgmma::commit();
     wgmma::wait<0>();
 
-    write_rows(o, out_rows, out, chunk_start(it), end);
-    __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
-    publish();        // S after this chunk, for the next
+    if constexpr (kTma) {
+      const uint32_t out_tile = epilogue + uint32_t(it & 1) * kTile;
+      uint32_t head[16], unused[16];
+      pack_blocks(o, head, unused, false);
+      store_blocks<true>(head, out_tile);
+      wgmma::fence_shared_writes();  // the tile, written by this thread, seen by the TMA
+      __syncthreads();  // ... written by every thread; every warp's wgmma has read the state copy
+      if (threadIdx.x == 0) tma_store(out_tile, &o_map, int(chunk_start(it)), int(pair), tma_pieces);
+    } else {
+      write_rows(o, out_rows, out, chunk_start(it), end);
+      __syncthreads();  // every warp's wgmma has read the state copy (and the staging rows are free)
+    }
+    publish();  // S after this chunk, for the next
   }
+  if (kTma && !kStateOnly && threadIdx.x == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
   if constexpr (kStateOnly) store_state(state, state_slot);
 }
 
 // The TMA's view of a contiguous bf16 [B, H, L, 64] array (see tma_tile): 4-d, or where the
 // driver refuses it 3-d (`pieces` 1 or 8); rows past L read as zeros.
 struct Maps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, o;
   int pieces = 1;
 };
 bool encode_map(CUtensorMap& map, const torch::Tensor& x, int pieces) {
@@ -385,13 +474,16 @@ bool encode_map(CUtensorMap& map, const torch::Tensor& x, int pieces) {
   const cuuint32_t box[3] = {8, C, 1};
   return encoded(3, dims, strides, box);
 }
-Maps tensor_maps(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+Maps tensor_maps(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& o) {
   Maps maps;
   for (int pieces : {1, 8}) {
     maps.pieces = pieces;
-    if (encode_map(maps.q, q, pieces) && encode_map(maps.k, k, pieces) && encode_map(maps.v, v, pieces)) return maps;
+    if (encode_map(maps.q, q, pieces) && encode_map(maps.k, k, pieces) && encode_map(maps.v, v, pieces) &&
+        encode_map(maps.o, o, pieces)) {
+      return maps;
+    }
   }
-  TORCH_CHECK(false, "cuTensorMapEncodeTiled refused both views of q, k and v");
+  TORCH_CHECK(false, "cuTensorMapEncodeTiled refused both views of q, k, v and out");
   return maps;
 }
 
@@ -399,13 +491,13 @@ template <int kStages, bool kStateOnly, bool kTwoParts, bool kTma>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& out,
             int64_t segments, int64_t segment_len, float* states, const Maps& maps, bool reverse) {
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
-  const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + 64 * (D + 8) * 2 + (kTma ? 8 * kStages : 0);
+  const int smem = (kStages * 3 + (kTwoParts ? 2 : 1)) * kTile + (kTma ? 2 * kTile + 8 * kStages : 64 * (D + 8) * 2);
   auto kernel = wgmma_forward_kernel<kStages, kStateOnly, kTwoParts, kTma>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<unsigned(pairs * segments), 128, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.data_ptr()), reinterpret_cast<const __nv_bfloat16*>(k.data_ptr()),
       reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), reinterpret_cast<__nv_bfloat16*>(out.data_ptr()), L,
-      segments, segment_len, states, maps.q, maps.k, maps.v, maps.pieces, reverse);
+      segments, segment_len, states, maps.q, maps.k, maps.v, maps.o, maps.pieces, reverse);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -417,7 +509,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
   const int64_t pairs = q.size(0) * q.size(1), L = q.size(2);
   const int64_t segment_len = ((L + segments - 1) / segments + C - 1) / C * C;
   segments = std::max<int64_t>(1, (L + segment_len - 1) / segment_len);
-  const Maps maps = kTma ? tensor_maps(q, k, v) : Maps{};
+  const Maps maps = kTma ? tensor_maps(q, k, v, out) : Maps{};
   if (segments == 1) {
     launch<kStages, false, kTwoParts, kTma>(q, k, v, out, 1, L, nullptr, maps, reverse);
     return;
@@ -462,7 +554,7 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t
 }  // namespace
 
 // The TMA's loads a tile (1: the 4-d view, 8: the 3-d one the driver took instead), for the record.
-int64_t tma_pieces(torch::Tensor q, torch::Tensor k, torch::Tensor v) { return tensor_maps(q, k, v).pieces; }
+int64_t tma_pieces(torch::Tensor q, torch::Tensor k, torch::Tensor v) { return tensor_maps(q, k, v, v).pieces; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward);
