@@ -26,8 +26,7 @@ sys.path.insert(0, HERE)
 from fla.ops.common import fused_chunk as fla_fused_chunk  # noqa: E402
 from fla.ops.linear_attn import fused_chunk_linear_attn  # noqa: E402
 
-import fast_causal_attn  # noqa: E402
-from wgmma_probe import build_sm90a  # noqa: E402
+from wgmma_forward import load, one_segment  # noqa: E402
 
 parser = argparse.ArgumentParser()
 parser.add_argument("shape", nargs="*", type=int, default=[8, 16, 2048, 64])
@@ -44,14 +43,10 @@ def fla_forward():
 
 
 def ours_one_segment():
-    os.environ["FAST_CAUSAL_ATTN_SEGMENTS"] = "1"
-    try:
-        return fast_causal_attn.causal_dot_product(qh, kh, vh)
-    finally:
-        del os.environ["FAST_CAUSAL_ATTN_SEGMENTS"]
+    return one_segment(qh, kh, vh)
 
 
-prototype = build_sm90a("wgmma_forward_swap0", "wgmma_forward.cu", ["-DWGMMA_SWAP_OFFSETS=0"])
+prototype = load(swap_offsets=False)
 qc, kc, vc = (x.contiguous() for x in (qh, kh, vh))
 
 

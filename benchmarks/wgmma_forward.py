@@ -33,6 +33,16 @@ def load(swap_offsets):
                        [f"-DWGMMA_SWAP_OFFSETS={int(swap_offsets)}"])
 
 
+def one_segment(q, k, v):
+    """This library's forward with every sequence in one time segment (FAST_CAUSAL_ATTN_SEGMENTS=1):
+    the prototype's and fla fused_chunk's shape of work."""
+    os.environ["FAST_CAUSAL_ATTN_SEGMENTS"] = "1"
+    try:
+        return fast_causal_attn.causal_dot_product(q, k, v)
+    finally:
+        del os.environ["FAST_CAUSAL_ATTN_SEGMENTS"]
+
+
 def reference(q, k, v, reverse=False):
     """float64 causal linear attention, [B, H, L, D]; reverse: out[t] = sum over s >= t (the shape of
     the backward's dk and dv passes)."""
@@ -117,15 +127,7 @@ def main():
                 cases[f"wgmma reverse 3 st., {sg} segm.{', TMA' if tma else ''}"] = (
                     lambda sg=sg, tma=tma: module.forward(q, k, v, 3, sg, 2, tma, True))
         cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
-
-        def one_segment():
-            os.environ["FAST_CAUSAL_ATTN_SEGMENTS"] = "1"
-            try:
-                return fast_causal_attn.causal_dot_product(q, k, v)
-            finally:
-                del os.environ["FAST_CAUSAL_ATTN_SEGMENTS"]
-
-        cases["fast_causal_attn 1 segment"] = one_segment
+        cases["fast_causal_attn 1 segment"] = lambda: one_segment(q, k, v)
         blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
         for name, fn in fla.items():
             if "fused" in name:
