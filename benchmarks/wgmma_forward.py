@@ -76,27 +76,35 @@ def main():
     q, k, v = inputs(2, 3, 150)  # a partial last chunk (22 rows)
     exact = reference(q.cpu(), k.cpu(), v.cpu())
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
-    module = None
+    module, tma_passed = None, False
     for swap in ((False, True) if args.swap == "auto" else (args.swap == "1",)):
         candidate = load(swap)
         # 3 segments asked: 2, of 128 and 22 steps
+        # cp.async first: a TMA variant that faults ends the process after the cp.async lines print
         errors = {(stages, segments, parts, tma): relative_error(
                       candidate.forward(q, k, v, stages, segments, parts, tma, False).cpu(), exact)
-                  for stages in (3, 4) for segments in (1, 3) for parts in (1, 2) for tma in (False, True)}
+                  for tma in (False, True) for stages in (3, 4) for segments in (1, 3) for parts in (1, 2)}
         exact_reverse = reference(q.cpu(), k.cpu(), v.cpu(), reverse=True)
-        reverse_errors = [relative_error(candidate.forward(q, k, v, 3, segments, 2, tma, True).cpu(), exact_reverse)
-                          for segments in (1, 3) for tma in (False, True)]
+        reverse_errors = {tma: max(relative_error(candidate.forward(q, k, v, 3, segments, 2, tma, True).cpu(),
+                                                  exact_reverse) for segments in (1, 3))
+                          for tma in (False, True)}
         print(f"float64 check, 2,3,150, offsets {'swapped' if swap else 'as the PTX ISA orders them'}: relative "
               f"error {max(errors.values()):.2e} at most over 3-4 stages, 1 or 3 segments, 1 or 2 state parts, "
               f"cp.async or TMA; this library {library:.2e}")
-        print(f"  reverse (s >= t), 3 stages, two parts: at most {max(reverse_errors):.2e}")
+        print(f"  reverse (s >= t), 3 stages, two parts: at most {reverse_errors[False]:.2e} (cp.async), "
+              f"{reverse_errors[True]:.2e} (TMA)")
         print(f"  the TMA loads a tile in {candidate.tma_pieces(q, k, v)} piece(s) (1: the 4-d view; 8: the 3-d one)")
         for parts in (1, 2):
             for tma in (False, True):
                 worst = max(e for (_, _, pa, tm), e in errors.items() if pa == parts and tm == tma)
                 print(f"  state copy in {parts} bf16 part(s), {'TMA' if tma else 'cp.async'}: at most {worst:.2e}")
-        if module is None and max(*errors.values(), *reverse_errors) < 4 * max(library, 2.0**-8):
-            module = candidate
+        bound = 4 * max(library, 2.0**-8)
+        passed = {tma: max(e for key, e in errors.items() if key[3] == tma) < bound and reverse_errors[tma] < bound
+                  for tma in (False, True)}
+        if module is None and passed[False]:
+            module, tma_passed = candidate, passed[True]
+            if not tma_passed:
+                print("  the TMA variant misses the reference: not timed")
     if module is None:
         print("neither encoding gives the reference result: see benchmarks/wgmma_probe.py")
         return
@@ -119,11 +127,11 @@ def main():
         for st in (3, 4):
             for sg in sorted({1, segments}):
                 for pa in (1, 2):
-                    for tma in (False, True):
+                    for tma in (False, True) if tma_passed else (False,):
                         cases[f"wgmma {st} st., {sg} segm., {pa} part(s){', TMA' if tma else ''}"] = (
                             lambda st=st, sg=sg, pa=pa, tma=tma: module.forward(q, k, v, st, sg, pa, tma, False))
         for sg in sorted({1, segments}):  # the reverse direction (dk / dv's shape), two parts
-            for tma in (False, True):
+            for tma in (False, True) if tma_passed else (False,):
                 cases[f"wgmma reverse 3 st., {sg} segm.{', TMA' if tma else ''}"] = (
                     lambda sg=sg, tma=tma: module.forward(q, k, v, 3, sg, 2, tma, True))
         cases["fast_causal_attn"] = lambda: fast_causal_attn.causal_dot_product(q, k, v)
