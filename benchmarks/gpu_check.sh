@@ -148,7 +148,7 @@ fi
 if has anatomy; then  # fla autotunes in the timing run first: under ncu its autotuning launches
   # would be the ones profiled
   shape=${ANATOMY:-"8 16 2048 64"}
-  python benchmarks/fla_anatomy.py $shape 2>&1 | grep -v "^{" | tee "$OUT/anatomy.log"
+  python benchmarks/fla_anatomy.py $shape 2>&1 | tee "$OUT/anatomy.log" | grep -v "^{"  # (fla's variants: the log)
   ncu --clock-control none -k regex:"fused_chunk_fwd|tensorcore_product|wgmma_forward" --launch-skip 4 \
     --launch-count 4 --set full --import-source yes -f -o /tmp/anatomy \
     python benchmarks/fla_anatomy.py $shape --launches 3 >"$OUT/anatomy_ncu.log" 2>&1
