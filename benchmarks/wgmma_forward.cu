@@ -189,25 +189,6 @@ __device__ __forceinline__ void store_state(const float (&d)[32], float* slot) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) slot[(16 * warp + g + 8 * (e / 2)) * D + 8 * j + 2 * q4 + e % 2] = d[4 * j + e];
 }
-// kTwoParts: the head hi = bf16(S) at state_copy, the remainder bf16(S - hi) one tile after.
-template <bool kTwoParts>
-__device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t state_copy) {
-  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
-      const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
-      const float x = d[4 * j + 2 * h], y = d[4 * j + 2 * h + 1];
-      const uint32_t hi = wgmma::pack(x, y);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(hi) : "memory");
-      if constexpr (kTwoParts) {
-        const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + kTile), "r"(wgmma::pack(x - x_hi, y - y_hi)) : "memory");
-      }
-    }
-}
 
 // kTma's epilogue: stmatrix stores four 8 x 8 bf16 blocks from the accumulator layout (lane l's
 // registers hold row l / 4, columns 2 (l % 4) .. + 1 of each block; lane l gives the address of
@@ -242,6 +223,26 @@ __device__ __forceinline__ void pack_blocks(const float (&d)[32], uint32_t (&hea
       head[2 * j + h] = hi;
       if (with_remainder) {
         remainder[2 * j + h] = wgmma::pack(x - __uint_as_float(hi << 16), y - __uint_as_float(hi & 0xffff0000u));
+      }
+    }
+}
+
+// The cp.async variant's state copy: kTwoParts: the head hi = bf16(S) at state_copy, the
+// remainder bf16(S - hi) one tile after (pack_blocks' pairs), a 32-bit word at a time.
+template <bool kTwoParts>
+__device__ __forceinline__ void publish_state(const float (&d)[32], uint32_t state_copy) {
+  const int warp = (threadIdx.x % 128) / 32, g = (threadIdx.x % 32) / 4, q4 = threadIdx.x % 4;
+  uint32_t head[16], remainder[16];
+  pack_blocks(d, head, remainder, kTwoParts);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
+      const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(head[2 * j + h]) : "memory");
+      if constexpr (kTwoParts) {
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + kTile), "r"(remainder[2 * j + h]) : "memory");
       }
     }
 }
