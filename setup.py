@@ -3,7 +3,8 @@
 Builds the CUDA extension when a CUDA toolkit and a CUDA build of torch are both present, and a
 CPU-only extension otherwise. FAST_CAUSAL_ATTN_BUILD=cpu or =cuda forces either (cuda fails loudly
 when it cannot be built). TORCH_CUDA_ARCH_LIST and MAX_JOBS are honoured as torch's
-cpp_extension honours them.
+cpp_extension honours them; where TORCH_CUDA_ARCH_LIST is unset, the build is for the visible GPUs,
+with compute capability 9.0 (H100, H200) as 9.0a (see cuda_arch_list).
 """
 import glob
 import os
@@ -64,6 +65,20 @@ def shared_cxx_runtime() -> list:
     return loaded[:1]
 
 
+def cuda_arch_list() -> str:
+    """TORCH_CUDA_ARCH_LIST as given; where unset and GPUs are visible, their archs (as torch's
+    cpp_extension would pick them) with 9.0 built as 9.0a, set in the environment for the build.
+    sm_90a code runs on compute capability 9.0 alone, and there the wgmma kernel
+    (csrc/cuda/wgmma_product.cuh) is the faster path: a build on an H100 or H200 takes it without
+    being asked. Unset with no GPU visible: torch's own default list (no 9.0a)."""
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if given is None and torch.cuda.is_available():
+        archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        given = ";".join("9.0a" if arch == "9.0" else arch for arch in archs)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = given
+    return given or ""
+
+
 def extension():
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
     sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
@@ -73,6 +88,11 @@ def extension():
         # No --use_fast_math: its approximate division and flushed denormals would bend the
         # exact-fp32 promise (the normalizer divides every output).
         nvcc = ["-O3", cxx_standard(), "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA"]
+        # The wgmma kernel (csrc/cuda/wgmma_product.cuh) needs sm_90a code: built, and taken on
+        # devices of compute capability 9.0, when the arch list holds 9.0a.
+        archs = cuda_arch_list().replace(" ", ";").split(";")
+        if any(arch.strip().startswith("9.0a") for arch in archs):
+            nvcc.append("-DFAST_CAUSAL_ATTN_SM90A")
         return CUDAExtension(
             "fast_causal_attn._C",
             sources,

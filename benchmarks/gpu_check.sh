@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call: build for sm_90, run the GPU tests, the sanitizer subset and the benchmark.
+# One device call: build for sm_90a (the H200, with the wgmma kernel), run the GPU tests, the
+# sanitizer subset and the benchmark.
 #
 #   bash benchmarks/gpu_check.sh                 # every stage
 #   STAGES="build tests" bash benchmarks/gpu_check.sh
@@ -31,7 +32,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fast_causal_attn_out}
 mkdir -p "$OUT"
 STAGES=${STAGES:-"build tests sanitize bench"}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
+# a 9.0a build holds the wgmma kernel: its test then checks that the default path takes it
+[[ "$TORCH_CUDA_ARCH_LIST" == *9.0a* ]] && export FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
@@ -96,7 +99,7 @@ fi
 
 if has sanitize; then
   # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
-  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all six)
+  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all seven)
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
@@ -109,6 +112,8 @@ if has sanitize; then
   }
   # bfloat16's two-part state copy at DA = 128 (one chunk buffer, two blocks a multiprocessor)
   sanitize bf16_parts "test_bfloat16_holds_the_issue_accuracy and B1H2L2048E128M128"
+  # the wgmma kernel (9.0a builds), forced: partial chunks, 16-bit rows at any alignment
+  sanitize wgmma "cuda-wgmma and (test_matches_reference and (B2H3L65E16M16 or B2H3L63E16M16) and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, two in float32)
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"

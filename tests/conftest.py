@@ -4,17 +4,22 @@ import pytest
 import torch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
+SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs a device of compute capability 9.0 (the wgmma kernel's)")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # (device, CUDA kernel family): the default dispatch on each device (tensor cores where they were
 # measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
 # (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the whole grid (a family takes only the
-# shapes and dtypes it can run; the rest go the default way).
+# shapes and dtypes it can run; the rest go the default way). "wgmma" takes Hopper's wgmma kernel
+# wherever it can run (FAST_CAUSAL_ATTN_WGMMA=1; by default it takes only calls with about one
+# (batch, head) pair a multiprocessor, which the grid's small shapes are not; wgmma_product.cuh).
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
     pytest.param("cuda", "recurrent", id="cuda-recurrent", marks=CUDA),
     pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
     pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
+    pytest.param("cuda", "wgmma", id="cuda-wgmma", marks=[CUDA, SM90]),
 ]
 
 # The same for calls with states or cu_seqlens, which the CUDA chunked families take (tensor cores
@@ -32,7 +37,9 @@ def use_kernel(monkeypatch):
     """use_kernel(family) forces a CUDA kernel family for the rest of the test (None: default)."""
 
     def use(family):
-        if family is not None:
+        if family == "wgmma":
+            monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
+        elif family is not None:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_KERNEL", family)
 
     return use

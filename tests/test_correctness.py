@@ -60,13 +60,16 @@ def shape_id(shape):
 
 def check_against_reference(q, k, v, *, scale, normalize, layout, eps=1e-6, tolerance=None):
     """Output and gradients against float64, each within twice plain PyTorch's error in q's dtype
-    (at least ERROR_FLOOR), or within `tolerance` where given."""
+    (at least ERROR_FLOOR), or within `tolerance` where given. The output's cotangent is drawn from
+    a generator seeded by the call (from the global one, a small ill-conditioned case such as
+    normalized float16 at L = 2 passed or failed by the draw)."""
     dtype = q.dtype
     kwargs = dict(scale=scale, normalize=normalize, eps=eps, layout=layout)
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     out = fast_causal_attn.causal_linear_attention(q, k, v, **kwargs)
     assert out.dtype == dtype and out.shape == v.shape and out.device == v.device
-    grad_out = torch.randn(out.shape, dtype=torch.float64).to(device=out.device, dtype=dtype)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((tuple(out.shape), dtype, kwargs)).encode()))
+    grad_out = torch.randn(out.shape, dtype=torch.float64, generator=gen).to(device=out.device, dtype=dtype)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
 
     exact = reference_with_grads(q, k, v, grad_out, **kwargs)

@@ -33,6 +33,23 @@ int multiprocessor_count() {
   return sms;
 }
 
+// Whether the current device is of compute capability 9.0 (H100, H200), where a binary built for
+// sm_90a runs, asked once per device.
+bool device_runs_sm90a() {
+  static std::atomic<int> asked[64] = {};  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  int answer = device < 64 ? asked[device].load(std::memory_order_relaxed) : 0;
+  if (answer == 0) {
+    int major = 0, minor = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    answer = major == 9 && minor == 0 ? 2 : 1;
+    if (device < 64) asked[device].store(answer, std::memory_order_relaxed);
+  }
+  return answer == 2;
+}
+
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return;  // the default limit
   int device = 0;

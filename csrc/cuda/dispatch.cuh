@@ -9,6 +9,7 @@
 #include "chunked_product.cuh"
 #include "recurrent_product.cuh"
 #include "tensorcore_product.cuh"
+#include "wgmma_product.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -100,6 +101,20 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
           (family == Family::Default && tensorcore_by_default<P, scalar_t>(p, Da, Dc)));
 }
 
+// A pass on tensor cores: the wgmma kernel where it takes the pass by default (wgmma_product.cuh),
+// the mma.sync kernels otherwise (and whenever FAST_CAUSAL_ATTN_KERNEL=tensorcore forces the
+// family, so that their tests keep testing them).
+template <Pass P, typename scalar_t>
+ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  if constexpr (kWgmmaInput<scalar_t> && (P == Pass::Forward || P == Pass::GradQ)) {
+    if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
+      if (!p.dry_run) launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
+      return {};  // one segment: no starts to keep (a plan's count is 0)
+    }
+  }
+  return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+}
+
 // Returns the forward's segment starts where the tensor-core family kept them (see ForwardSegments).
 template <Pass P, typename scalar_t>
 ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
@@ -117,14 +132,14 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
     // ops.cpp refuses such calls before anything is allocated; this guards the kernels' buckets.
     TORCH_CHECK(Da <= kMaxChunkedRows, "fast_causal_attn: states and cu_seqlens on CUDA support head dims up to ",
                 int64_t(kMaxChunkedRows), ", got E = ", p.E, ", M = ", p.M);
-    if (tensorcore) return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+    if (tensorcore) return run_on_tensor_cores<P, scalar_t>(p, Da, Dc, stream);
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
     return {};
   }
   if (family == Family::Chunked && Da <= kMaxChunkedRows) {
     run_chunked<P, scalar_t>(p, Da, Dc, stream);
   } else if (tensorcore) {
-    return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
+    return run_on_tensor_cores<P, scalar_t>(p, Da, Dc, stream);
   } else {
     run_recurrent<P, scalar_t>(p, Da, Dc, stream);
   }

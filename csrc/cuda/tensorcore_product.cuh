@@ -1074,6 +1074,24 @@ inline bool reuse_forward_segments() {
   return reuse == nullptr || std::strcmp(reuse, "0") != 0;
 }
 
+// The dq pass's segments and their starts from the forward's, where it kept them (read
+// transposed: no state-only launch, no scan); returns whether it takes them. step: the pass's
+// chunk length, whose multiples the forward's segments are.
+inline bool take_forward_segments(KernelParams& p, int64_t step) {
+  if (p.forward_segments <= 1 || p.cu_seqlens != nullptr || (p.normalize && p.forward_segment_k_sum == nullptr) ||
+      !reuse_forward_segments()) {
+    return false;
+  }
+  p.segments = p.forward_segments;
+  p.segment_len = segment_length(p.L, p.segments, step);
+  TORCH_CHECK(segment_count(p.L, p.segment_len) == p.segments, "fast_causal_attn: segment_kv holds ", p.segments,
+              " segments, which no forward of ", p.L, " timesteps makes");
+  p.seg_from_forward = true;
+  p.seg_state = const_cast<void*>(p.forward_segment_kv);  // read only
+  p.seg_extra = p.normalize ? const_cast<void*>(p.forward_segment_k_sum) : nullptr;
+  return true;
+}
+
 // Returns the forward's segment starts (P = Forward, more than one segment, keep_segments), else
 // nothing.
 template <Pass P, typename scalar_t, int DA, int NB>
@@ -1152,15 +1170,7 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   // state-only launch and the scan: H200 GPU time a fwd+bwd 6-14% lower (bf16 8,16,2048,64 0.256
   // -> 0.231 ms, 1,16,32768,128 1.490 -> 1.404; fp32 8,16,2048,64 0.955 -> 0.898).
   if constexpr (P == Pass::GradQ) {
-    if (p.forward_segments > 1 && p.cu_seqlens == nullptr && (!p.normalize || p.forward_segment_k_sum != nullptr) &&
-        reuse_forward_segments()) {
-      p.segments = p.forward_segments;
-      p.segment_len = segment_length(p.L, p.segments, C);
-      TORCH_CHECK(segment_count(p.L, p.segment_len) == p.segments, "fast_causal_attn: segment_kv holds ",
-                  p.segments, " segments, which no forward of ", p.L, " timesteps makes");
-      p.seg_from_forward = true;
-      p.seg_state = const_cast<void*>(p.forward_segment_kv);  // read only: no state-only launch
-      p.seg_extra = p.normalize ? const_cast<void*>(p.forward_segment_k_sum) : nullptr;
+    if (take_forward_segments(p, C)) {
       launch_segmented<P>(kernel, p, SegmentWorkspace{}, pairs * col_tiles * p.segments, kThreads, smem, stream, Da,
                           Dc, col_tiles);
       return {};

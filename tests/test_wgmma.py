@@ -1,0 +1,129 @@
+"""The wgmma kernel (csrc/cuda/wgmma_product.cuh: the forward and dq, bfloat16 and float16, E and M
+up to 64, no normalize, no states in or out; on devices of compute capability 9.0 when the build's
+arch list holds 9.0a) against float64 and beside the mma.sync kernels. Elsewhere these calls take
+the other kernels and the tests still check the results. The tests that the kernel is taken where
+the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build should have it
+(benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a). The rest of the suite meets the
+kernel through conftest's "wgmma" entry (FAST_CAUSAL_ATTN_WGMMA=1)."""
+import os
+
+import pytest
+import torch
+
+import fast_causal_attn
+from conftest import CUDA, SM90
+from reference import make_inputs, reference_with_grads, relative_error
+from test_correctness import ERROR_FLOOR, check_against_reference, shape_id
+
+EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") != "1",
+                                  reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
+
+
+def kernels_ran(fn):
+    """The CUDA kernels fn() launched (names, from the profiler)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        fn()
+        torch.cuda.synchronize()
+    return {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+
+
+def training_step_kernels(B, H, dtype):
+    """The kernels of a forward and backward of a plain call at (B, H, 200, 64, 64)."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, 200, 64, 64, dtype=dtype, device="cuda"))
+
+    def step():
+        out = fast_causal_attn.causal_dot_product(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+
+    return kernels_ran(step)
+
+
+def wgmma_passes(names):
+    return {n[n.index("Pass)") + 5] for n in names if "wgmma_product_kernel" in n}
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_training_step_takes_the_wgmma_kernel_where_pairs_fill_the_device(dtype, monkeypatch):
+    """With a (batch, head) pair for each multiprocessor, the forward and dq run on the wgmma kernel
+    (Pass 0 and 1) and dk / dv on the fused mma.sync pass; with a few pairs, or two for each
+    multiprocessor, everything stays on mma.sync unless FAST_CAUSAL_ATTN_WGMMA=1 forces wgmma;
+    FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    names = training_step_kernels(1, sms, dtype)
+    assert wgmma_passes(names) == {"0", "1"}, names
+    assert any("tensorcore_product_kernel" in n for n in names), names  # dk and dv
+
+    assert not wgmma_passes(training_step_kernels(2, 3, dtype))
+    assert not wgmma_passes(training_step_kernels(2, sms, dtype))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
+    assert wgmma_passes(training_step_kernels(2, 3, dtype)) == {"0", "1"}
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
+    assert not wgmma_passes(training_step_kernels(1, sms, dtype))
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
+def test_packed_sequences(wgmma, dtype, monkeypatch):
+    """Packed sequences (cu_seqlens, without states), one block a sequence on either kernel: each
+    sequence's output and dq as float64 gives them, within plain PyTorch's error in the dtype
+    (twice, at least ERROR_FLOOR), lengths from empty through partial and whole chunks."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    lengths = [100, 0, 1, 64, 135]
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    q, k, v = (x.requires_grad_() for x in make_inputs(1, 2, sum(lengths), 64, 48, dtype=dtype, device="cuda",
+                                                        layout="blhd"))
+    kwargs = dict(scale=0.7, layout="blhd")
+    grad_out = torch.randn(1, sum(lengths), 2, 48, device="cuda", dtype=dtype)
+
+    def run():
+        out = fast_causal_attn.causal_linear_attention(q, k, v, cu_seqlens=cu_seqlens, **kwargs)
+        return out, torch.autograd.grad(out, q, grad_out)[0]
+
+    if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and torch.cuda.get_device_capability() == (9, 0):
+        assert wgmma_passes(kernels_ran(run)) == ({"0", "1"} if wgmma == "1" else set())
+    out, grad_q = run()
+    for start, stop in zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:]):
+        if stop == start:
+            continue
+        piece = [x.detach().narrow(1, start, stop - start).requires_grad_() for x in (q, k, v)]
+        g = grad_out.narrow(1, start, stop - start)
+        for which, got in (("out", out), ("grad_q", grad_q)):
+            exact, plain = (reference_with_grads(*piece, g, dtype=d, **kwargs)[0 if which == "out" else 1]
+                            for d in (torch.float64, dtype))
+            tolerance = max(2 * relative_error(plain, exact), ERROR_FLOOR[dtype])
+            error = relative_error(got.narrow(1, start, stop - start), exact)
+            assert error <= tolerance, f"{which}, sequence [{start}, {stop}): {error:.3g} > {tolerance:.3g}"
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8)],
+                         ids=shape_id)
+def test_16_bit_plain(shape, layout, wgmma, dtype, monkeypatch):
+    """The forward and the three gradients with whole and partial last chunks, E != M, both
+    layouts, two scales: each within the dtype's bound of float64, on the wgmma kernel and on
+    mma.sync."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
+def test_16_bit_plain_unaligned_rows(wgmma, dtype, monkeypatch):
+    """Rows that do not start at 16-byte boundaries (a view one element in) are copied element by
+    element: the same results."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    q, k, v = (torch.randn(2, 3, 200, 65, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
