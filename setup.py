@@ -66,16 +66,17 @@ def shared_cxx_runtime() -> list:
 
 
 def cuda_arch_list() -> str:
-    """TORCH_CUDA_ARCH_LIST as given; where unset and GPUs are visible, their archs (as torch's
-    cpp_extension would pick them) with 9.0 built as 9.0a, set in the environment for the build.
-    sm_90a code runs on compute capability 9.0 alone, and there the wgmma kernel
-    (csrc/cuda/wgmma_product.cuh) is the faster path: a build on an H100 or H200 takes it without
-    being asked. Unset with no GPU visible: torch's own default list (no 9.0a)."""
+    """TORCH_CUDA_ARCH_LIST as given. Where it is unset and a visible GPU is of compute capability
+    9.0 (H100, H200): the visible GPUs' archs with 9.0 built as 9.0a, set in the environment for
+    the build. sm_90a code runs on compute capability 9.0 alone, and there the wgmma kernel
+    (csrc/cuda/wgmma_product.cuh) is the faster path: a build on such a machine takes it without
+    being asked. Otherwise unset stays unset: torch's own choice (no 9.0a)."""
     given = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if given is None and torch.cuda.is_available():
         archs = sorted({"%d.%d" % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-        given = ";".join("9.0a" if arch == "9.0" else arch for arch in archs)
-        os.environ["TORCH_CUDA_ARCH_LIST"] = given
+        if "9.0" in archs:
+            given = ";".join("9.0a" if arch == "9.0" else arch for arch in archs)
+            os.environ["TORCH_CUDA_ARCH_LIST"] = given
     return given or ""
 
 
