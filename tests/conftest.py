@@ -1,11 +1,12 @@
+import contextlib
 import zlib
 
 import pytest
 import torch
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
-SM90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs a device of compute capability 9.0 (the wgmma kernel's)")
+ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+SM90 = pytest.mark.skipif(not ON_SM90, reason="needs a device of compute capability 9.0 (the wgmma kernel's)")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # (device, CUDA kernel family): the default dispatch on each device (tensor cores where they were
 # measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
@@ -72,3 +73,14 @@ def nan_filled_outputs():
 def seeded_rng(request):
     """Fresh random data in every test, the same on every run: a failure reproduces."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@contextlib.contextmanager
+def cuda_kernels_launched():
+    """The names of the CUDA kernels launched inside the block (from the profiler), in the set it
+    gives, filled when the block ends."""
+    names = set()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        yield names
+        torch.cuda.synchronize()
+    names.update(e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)

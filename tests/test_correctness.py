@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import DEVICE_KERNELS, DEVICES
+from conftest import DEVICE_KERNELS, DEVICES, cuda_kernels_launched
 from reference import (check_state_matches_reference, gradient_magnitudes, make_inputs, make_state, reference,
                        reference_with_grads, relative_error, time_dim)
 
@@ -462,15 +462,14 @@ def float32_kernels_of_a_training_step(B, H, L, E, M, device):
     profiler), after checking both float32-accurate against float64."""
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=torch.float32, device=device))
     grad = torch.randn(B, H, L, M, dtype=torch.float32, device=device)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+    with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad)
-        torch.cuda.synchronize()
     ref_out, *ref_grads = reference_with_grads(q, k, v, grad)
     assert relative_error(out, ref_out) <= 1e-5
     for name, g, r in zip("qkv", grads, ref_grads):
         assert relative_error(g, r) <= 1e-5, f"d{name}"
-    return {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
+    return names
 
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])

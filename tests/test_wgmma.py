@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fast_causal_attn
-from conftest import CUDA, SM90
+from conftest import CUDA, ON_SM90, SM90, cuda_kernels_launched
 from reference import make_inputs, reference_with_grads, relative_error
 from test_correctness import ERROR_FLOOR, check_against_reference, shape_id
 
@@ -19,23 +19,14 @@ EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA"
                                   reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
 
 
-def kernels_ran(fn):
-    """The CUDA kernels fn() launched (names, from the profiler)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        fn()
-        torch.cuda.synchronize()
-    return {e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA}
-
-
 def training_step_kernels(B, H, dtype):
     """The kernels of a forward and backward of a plain call at (B, H, 200, 64, 64)."""
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, 200, 64, 64, dtype=dtype, device="cuda"))
 
-    def step():
+    with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_dot_product(q, k, v)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-
-    return kernels_ran(step)
+    return names
 
 
 def wgmma_passes(names):
@@ -84,8 +75,10 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
         out = fast_causal_attn.causal_linear_attention(q, k, v, cu_seqlens=cu_seqlens, **kwargs)
         return out, torch.autograd.grad(out, q, grad_out)[0]
 
-    if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and torch.cuda.get_device_capability() == (9, 0):
-        assert wgmma_passes(kernels_ran(run)) == ({"0", "1"} if wgmma == "1" else set())
+    if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and ON_SM90:
+        with cuda_kernels_launched() as names:
+            run()
+        assert wgmma_passes(names) == ({"0", "1"} if wgmma == "1" else set())
     out, grad_q = run()
     for start, stop in zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:]):
         if stop == start:

@@ -19,35 +19,42 @@
 namespace fast_causal_attn {
 namespace cuda {
 
-// The current device's multiprocessor count, asked once per device (launchers ask every call;
-// devices past the first 64 are asked each time).
-int multiprocessor_count() {
-  static std::atomic<int> asked[64] = {};  // 0: not asked yet
+namespace {
+// ask(device) for the current device, asked once per device and kept in `asked` (ask never
+// returns 0, which marks "not asked yet"; devices past the first 64 are asked each time).
+template <typename Ask>
+int once_per_device(std::atomic<int> (&asked)[64], Ask ask) {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
-  int sms = device < 64 ? asked[device].load(std::memory_order_relaxed) : 0;
-  if (sms == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    if (device < 64) asked[device].store(sms, std::memory_order_relaxed);
+  int value = device < 64 ? asked[device].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    value = ask(device);
+    if (device < 64) asked[device].store(value, std::memory_order_relaxed);
   }
-  return sms;
+  return value;
+}
+}  // namespace
+
+// The current device's multiprocessor count (launchers ask every call).
+int multiprocessor_count() {
+  static std::atomic<int> asked[64] = {};
+  return once_per_device(asked, [](int device) {
+    int sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  });
 }
 
 // Whether the current device is of compute capability 9.0 (H100, H200), where a binary built for
-// sm_90a runs, asked once per device.
+// sm_90a runs.
 bool device_runs_sm90a() {
-  static std::atomic<int> asked[64] = {};  // 0: not asked yet, 1: no, 2: yes
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  int answer = device < 64 ? asked[device].load(std::memory_order_relaxed) : 0;
-  if (answer == 0) {
-    int major = 0, minor = 0;
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-    answer = major == 9 && minor == 0 ? 2 : 1;
-    if (device < 64) asked[device].store(answer, std::memory_order_relaxed);
-  }
-  return answer == 2;
+  static std::atomic<int> asked[64] = {};
+  return once_per_device(asked, [](int device) {
+           int major = 0, minor = 0;
+           C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+           C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+           return major == 9 && minor == 0 ? 2 : 1;  // 2: yes, 1: no
+         }) == 2;
 }
 
 void allow_dynamic_smem(const void* kernel, size_t bytes) {
