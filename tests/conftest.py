@@ -12,8 +12,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
 # (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the whole grid (a family takes only the
 # shapes and dtypes it can run; the rest go the default way). "wgmma" takes Hopper's wgmma kernel
-# wherever it can run (FAST_CAUSAL_ATTN_WGMMA=1; by default it takes only calls with about one
-# (batch, head) pair a multiprocessor, which the grid's small shapes are not; wgmma_product.cuh).
+# wherever it can run (FAST_CAUSAL_ATTN_WGMMA=1; by default it takes only calls of 64 (batch, head)
+# pairs or more, which the grid's small shapes are not; wgmma_product.cuh).
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),

@@ -1,10 +1,10 @@
-"""The wgmma kernel (csrc/cuda/wgmma_product.cuh: the forward and dq, bfloat16 and float16, E and M
-up to 64, no normalize, no states in or out; on devices of compute capability 9.0 when the build's
-arch list holds 9.0a) against float64 and beside the mma.sync kernels. Elsewhere these calls take
-the other kernels and the tests still check the results. The tests that the kernel is taken where
-the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build should have it
-(benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a). The rest of the suite meets the
-kernel through conftest's "wgmma" entry (FAST_CAUSAL_ATTN_WGMMA=1)."""
+"""The wgmma kernels (csrc/cuda/wgmma_product.cuh: the forward, dq, and dk with dv in one pass;
+bfloat16 and float16, E and M up to 64, no normalize, no states in or out; on devices of compute
+capability 9.0 when the build's arch list holds 9.0a) against float64 and beside the mma.sync
+kernels. Elsewhere these calls take the other kernels and the tests still check the results. The
+tests that the kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
+says the build should have them (benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a).
+The rest of the suite meets them through conftest's "wgmma" entry (FAST_CAUSAL_ATTN_WGMMA=1)."""
 import os
 
 import pytest
@@ -37,22 +37,24 @@ def wgmma_passes(names):
 @SM90
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_training_step_takes_the_wgmma_kernel_where_pairs_fill_the_device(dtype, monkeypatch):
-    """With a (batch, head) pair for each multiprocessor, the forward and dq run on the wgmma kernel
-    (Pass 0 and 1) and dk / dv on the fused mma.sync pass; with a few pairs, or two for each
-    multiprocessor, everything stays on mma.sync unless FAST_CAUSAL_ATTN_WGMMA=1 forces wgmma;
-    FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
+def test_training_step_takes_the_wgmma_kernels_from_64_pairs(dtype, monkeypatch):
+    """From 64 (batch, head) pairs on (one for each multiprocessor, two for each) the forward and dq
+    run on the wgmma kernel (Pass 0 and 1) and dk with dv on its fused reverse pass, with no
+    mma.sync kernel; with a few pairs everything stays on mma.sync unless FAST_CAUSAL_ATTN_WGMMA=1
+    forces wgmma; FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    names = training_step_kernels(1, sms, dtype)
-    assert wgmma_passes(names) == {"0", "1"}, names
-    assert any("tensorcore_product_kernel" in n for n in names), names  # dk and dv
-
-    assert not wgmma_passes(training_step_kernels(2, 3, dtype))
-    assert not wgmma_passes(training_step_kernels(2, sms, dtype))
+    for B, H in ((4, 16), (1, sms), (2, sms)):
+        names = training_step_kernels(B, H, dtype)
+        assert wgmma_passes(names) == {"0", "1"}, (B, H, names)
+        assert any("wgmma_grad_kv_kernel" in n for n in names), (B, H, names)
+        assert not any("tensorcore_product_kernel" in n for n in names), (B, H, names)
+    assert not any("wgmma" in n for n in training_step_kernels(2, 3, dtype))
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
-    assert wgmma_passes(training_step_kernels(2, 3, dtype)) == {"0", "1"}
+    names = training_step_kernels(2, 3, dtype)
+    assert wgmma_passes(names) == {"0", "1"} and any("wgmma_grad_kv_kernel" in n for n in names), names
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
-    assert not wgmma_passes(training_step_kernels(1, sms, dtype))
+    names = training_step_kernels(1, sms, dtype)
+    assert not any("wgmma" in n for n in names), names
 
 
 @CUDA
@@ -97,14 +99,17 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
+@pytest.mark.parametrize("segments", ["1", "3", "8"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8)],
                          ids=shape_id)
-def test_16_bit_plain(shape, layout, wgmma, dtype, monkeypatch):
-    """The forward and the three gradients with whole and partial last chunks, E != M, both
-    layouts, two scales: each within the dtype's bound of float64, on the wgmma kernel and on
-    mma.sync."""
+def test_16_bit_plain(shape, layout, segments, wgmma, dtype, monkeypatch):
+    """The forward and the three gradients in 1, 3 or 8 time segments (the state-only launch, the
+    scan, the dq pass from the forward's starts, dk and dv from the later segments' sums), whole
+    and partial last chunks, E != M, both layouts, two scales: each within the dtype's bound of
+    float64, on the wgmma kernels and on mma.sync."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)

@@ -108,8 +108,7 @@ template <Pass P, typename scalar_t>
 ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
   if constexpr (kWgmmaInput<scalar_t> && (P == Pass::Forward || P == Pass::GradQ)) {
     if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
-      if (!p.dry_run) launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
-      return {};  // one segment: no starts to keep (a plan's count is 0)
+      return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
     }
   }
   return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
@@ -174,6 +173,12 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   if (p.cu_seqlens != nullptr) return false;
   if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
   // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
+  if constexpr (kWgmmaInput<scalar_t>) {
+    if (forced_family() == Family::Default && wgmma_takes<Pass::GradKV, scalar_t>(p, p.M, p.E)) {
+      launch_wgmma<Pass::GradKV, scalar_t>(p, p.M, p.E, stream);
+      return true;
+    }
+  }
   if constexpr (kTensorCoreInput<scalar_t>) {
     if (p.E <= 64 && p.M <= 64 && on_tensor_cores<Pass::GradK, scalar_t>(p, p.M, p.E) &&
         on_tensor_cores<Pass::GradV, scalar_t>(p, p.E, p.M)) {

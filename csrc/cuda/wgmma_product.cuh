@@ -4,24 +4,27 @@
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
-// in 16 wgmma instructions where the mma.sync kernel issues about 480 HMMA and their ldmatrix
-// loads (benchmarks/wgmma_forward.cu measured the design: 57 us for the bf16 8,16,2048,64 forward
-// in one segment, the mma.sync kernel's one segment 82 us; RESULTS.md, fifteenth session). A, B
+// in 20 wgmma instructions (16 for float16's one-part state copy) where the mma.sync kernel
+// issues about 480 HMMA and their ldmatrix loads (bf16 8,16,2048,64 on the H200: 43 us for the
+// forward kernel, the mma.sync kernels 75; RESULTS.md, seventeenth session). A, B
 // and Cc are staged by cp.async, three chunks deep, into one layout that serves every role:
-// element (r, c) of a 64 x 64 tile at (r / 8) 1024 + (c / 8) 128 + (r % 8) 16 + (c % 8) 2 bytes
-// (8 x 16-byte core matrices, no swizzle), rows past the chunk and columns past Da / Dc zero.
+// element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
+// rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
+// Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
 // The state S (64 x 64 float32) lives in the warpgroup's accumulators; its copy for A S is kept
 // as the mma.sync kernel keeps it: two bfloat16 parts (S = hi + lo), or one float16 part scaled
 // by a power of two where S passes float16's range.
 //
-// What runs around the chunk loop is the tensor-core family's: chunked::BlockWork (pairs and
-// packed sequences) and Operands (each pass's rows and strides). The kernel runs the forward and
-// dq (the passes in the forward direction), one block a whole (sequence, head), where enough
-// pairs fill the device (wgmma_takes); time segments, states in or out, normalize and the
-// backward's dk and dv stay with the mma.sync kernels.
+// What runs around the chunk loop is the tensor-core family's: chunked::BlockWork (pairs,
+// segments, state-only blocks, packed sequences), Operands (each pass's rows and strides),
+// SegmentStart / SegmentEnd and, on the host, SegmentWorkspace and launch_segmented. The kernels
+// run the forward and dq (the passes in the forward direction), and dk with dv in one reverse
+// pass (wgmma_grad_kv_kernel), one block a (sequence, head, time segment), where wgmma_takes
+// says; states in or out and normalize stay with the mma.sync kernels.
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
-// dq), so rows are staged as they are and the outputs are multiplied by scale in float32.
+// dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
+// outputs are multiplied by scale in float32.
 //
 // The kernel is compiled for sm_90a only (its body needs __CUDA_ARCH_FEAT_SM90_ALL); the build
 // defines FAST_CAUSAL_ATTN_SM90A when its arch list holds 9.0a, and the dispatcher takes the
@@ -38,7 +41,7 @@
 #include <type_traits>
 
 #include "chunked_product.cuh"
-#include "tensorcore_product.cuh"  // rows_are_vectors
+#include "tensorcore_product.cuh"  // rows_are_vectors, take_forward_segments
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -46,30 +49,35 @@ namespace wgmma {
 
 constexpr int C = 64;              // timesteps a chunk; the state's rows and columns, zero-padded
 constexpr int kThreads = 128;      // one warpgroup
-constexpr int kTile = C * 64 * 2;  // bytes of a 64 x 64 bfloat16 tile
+constexpr int kTile = C * 64 * 2;  // bytes of a 64 x 64 bfloat16 tile (1024-byte aligned: the swizzle's period)
 constexpr int kStages = 3;         // chunks staged (two on their way; a fourth measured no faster)
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
-// kStages x {A, B, Cc} tiles, the state copy's two parts (bfloat16; float16 uses one), the
-// outputs' staging rows, each warp's largest |S| (float16's copy scale)
-constexpr size_t kSmemBytes = size_t(kStages * 3 + 2) * kTile + size_t(64) * kOutStride * 2 + 4 * sizeof(float);
+constexpr int kStagingBytes = 64 * kOutStride * 2;
+// kStages x {A, B, Cc} tiles ({q, k, v, dO} for dk and dv), the state copy's two parts (bfloat16;
+// float16 uses one), the outputs' staging rows, each warp's largest |S| (float16's copy scale)
+constexpr size_t smem_bytes(int tiles) { return size_t(kStages * tiles + 2) * kTile + kStagingBytes + 4 * sizeof(float); }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// A shared-memory operand, no swizzle: bits 0-13 address >> 4, 16-29 the leading byte offset
-// (between core matrices along K) >> 4, 32-45 the stride byte offset (along M or N) >> 4
-// (benchmarks/wgmma_probe.py settled this order on the H200).
-__device__ __forceinline__ uint64_t descriptor(uint32_t address, uint32_t leading, uint32_t stride) {
-  return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((leading & 0x3FFFF) >> 4) << 16) |
-         (uint64_t((stride & 0x3FFFF) >> 4) << 32);
+// A shared-memory operand in the 128-byte swizzle (bits 62-63 = 1): bits 0-13 address >> 4, 16-29
+// the leading byte offset >> 4, 32-45 the stride byte offset >> 4. A tile's 64 columns are one
+// swizzle atom wide, so the leading offset (between atoms along M or N, MN-major; unused K-major)
+// never counts, and the stride offset is 1024 both ways: K-major, between groups of 8 rows along M
+// or N; MN-major, between groups of 8 rows along K (CUTLASS make_gmma_desc's canonical layouts).
+// A k16 step moves the start address (32 bytes along the columns, 2048 along the rows); the
+// hardware swizzles the absolute address, so each tile starts at a multiple of 1024 bytes.
+__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
+  constexpr uint64_t kOffsets = (uint64_t(1024 >> 4) << 16) | (uint64_t(1024 >> 4) << 32);
+  return uint64_t((address & 0x3FFFF) >> 4) | kOffsets | (uint64_t(1) << 62);
 }
 // Operand views of a staged tile (rows r, columns c), k16 step s: K along the columns (A and B of
 // the scores, A of A S) or along the rows (B^T and Cc of the state's update, Cc of P Cc, the state
 // copy as B of A S).
-__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return descriptor(tile + 256 * s, 128, 1024); }
-__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return descriptor(tile + 2048 * s, 1024, 128); }
+__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return descriptor(tile + 32 * s); }
+__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return descriptor(tile + 2048 * s); }
 
 #define FCA_WGMMA_D32(d)                                                                                          \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
@@ -154,64 +162,59 @@ __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool vali
 
 }  // namespace wgmma
 
-// One block a (sequence, head): its timesteps from the first, the state from zero. The forward
-// and dq only (wgmma_takes): neither has states in or out, and a whole sequence a block is what
-// measured fastest here (two segments on two blocks a multiprocessor: bf16 8,16,2048,64 forward
-// 0.090 ms of kernels against one segment's 0.064; RESULTS.md, sixteenth session).
-template <Pass P, typename scalar_t>
-__global__ void __launch_bounds__(wgmma::kThreads, 1)
-    wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+namespace wgmma {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using namespace wgmma;
-  constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
-  static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
-  static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
-  using Rows = typename Operands<P, scalar_t, float>::Rows;
 
-  extern __shared__ __align__(1024) unsigned char wgmma_smem[];
-  const uint32_t base = smem_address(wgmma_smem);
-  const uint32_t state_copy = base + kStages * 3 * kTile;  // head, then remainder one tile after
-  uint16_t* out_rows = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 3 + 2) * kTile);
-  float* warp_max_s = reinterpret_cast<float*>(wgmma_smem + (kStages * 3 + 2) * kTile + 64 * kOutStride * 2);
+// One operand's rows as this thread copies them (Stager): row row0 of the next chunk to stage,
+// column col (column 0 where col is past the operand's width: the copies are zeros then), and
+// the step of 16 rows between this thread's pieces.
+struct Source {
+  const uint16_t* next;
+  int64_t piece_step;
+  bool inside;
+};
 
-  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C, Dc);
-  const Operands<P, scalar_t, float> ops = work.operands(p);
-  const int64_t chunks = work.chunk_count(C);
-  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
-
-  // This thread's 16-byte pieces of a staged tile: pieces tid + 128 i (i < 4) are rows
-  // row0 + 16 i of one column group, at bytes 16 tid + 2048 i, so that a warp writes 512
-  // consecutive bytes; a row past the sequence or a column group past the operand's width is
-  // zeros. Each operand's next source row is kept and stepped a chunk at a time, and a whole
-  // chunk is copied without row tests (computed per piece and chunk, with 64-bit products and
-  // the row pointers reloaded from the parameters, the copies' address arithmetic was the
-  // kernel's most-executed and most-stalled work: H200 ncu, 8,16,2048). Rows that are not
-  // 16-byte vectors (KernelParams::rows_are_vectors) are copied element by element, in the same
-  // places.
-  const int row0 = 8 * (tid / 64) + tid % 8, col = 8 * ((tid % 64) / 8);
-  const bool vectors = p.rows_are_vectors;
-  struct Source {
-    const uint16_t* next;  // row row0 of the next chunk to stage, column col (0 past the width)
-    int64_t piece_step;    // 16 rows
-    bool inside;           // col < the operand's width
-  };
-  auto source = [&](const Rows& x, int64_t width) {
+// This thread's 16-byte pieces of a staged tile: rows row0 + 16 i (i < 4) of one column group.
+// Eight lanes copy one whole 128-byte row into one 128-byte row of the tile (its groups permuted
+// by the swizzle): so the copies reach the L2 as whole lines. Into the unswizzled core-matrix
+// layout (a row's eight groups 128 bytes apart), every 16-byte copy was its own request of one
+// sector, each sector requested twice, for any assignment of lanes to pieces (three measured):
+// 6.3 M sectors in 5.9 M L2 requests against fla's 3.1 M in 0.8 M, with the L2 78% busy at 2.1
+// TB/s, the kernel's limit (H200 ncu, bf16 8,16,2048,64; RESULTS.md, seventeenth session). A row
+// past the sequence or a column group past the operand's width is zeros. Each operand's next source row is kept and stepped a chunk at a time, and a
+// whole chunk is copied without row tests (computed per piece and chunk, with 64-bit products
+// and the row pointers reloaded from the parameters, the copies' address arithmetic was the
+// kernel's most-executed and most-stalled work: H200 ncu, 8,16,2048). Rows that are not 16-byte
+// vectors (KernelParams::rows_are_vectors) are copied element by element, in the same places.
+struct Stager {
+  int row0, col;
+  uint32_t piece0;  // row0's piece in a tile; piece i (16 rows on: the same row % 8) at + 2048 i
+  bool vectors;
+  __device__ Stager(int tid, bool vectors_)
+      : row0(4 * (tid / kWarp) + (tid % kWarp) / 8), col(8 * (tid % 8)), vectors(vectors_) {
+    piece0 = uint32_t(row0 * 128 + ((col / 8) ^ (row0 % 8)) * 16);
+  }
+  // x's rows (x: a pointer and a row stride) from row `first` on, `width` columns.
+  template <typename Rows>
+  __device__ Source source(const Rows& x, int64_t first, int64_t width) const {
     const bool inside = col < width;
-    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + work.seg_begin * x.stride + row0 * x.stride +
-                      (inside ? col : 0),
+    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + (first + row0) * x.stride + (inside ? col : 0),
                   16 * x.stride, inside};
-  };
-  Source a_src = source(ops.a_rows(), Da), b_src = source(ops.b_rows(), Da), c_src = source(ops.c_rows(), Dc);
-  auto stage = [&](uint32_t tile, Source& src, const Rows& x, int n) {
-    const uint32_t at = tile + 16 * tid;
+  }
+  // The chunk of n rows at src.next into `tile` as cp.async copies (element by element where rows
+  // are not vectors), zeros past n; `any`: a valid address of the operand (the zero copies' source).
+  // Then src steps to the next chunk: C rows on, or back (kBack).
+  template <bool kBack>
+  __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const void* any, int n) const {
+    const uint32_t at = tile + piece0;
     if (vectors && n == C) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) copy_16(at + 2048 * i, src.next + i * src.piece_step, src.inside);
-    } else if (vectors) {  // the sequence's last, partial chunk
+    } else if (vectors) {  // a partial chunk: the sequence's last
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const bool valid = src.inside && row0 + 16 * i < n;
-        copy_16(at + 2048 * i, valid ? src.next + i * src.piece_step : reinterpret_cast<const uint16_t*>(x.ptr), valid);
+        copy_16(at + 2048 * i, valid ? static_cast<const void*>(src.next + i * src.piece_step) : any, valid);
       }
     } else {
 #pragma unroll
@@ -227,69 +230,230 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
                      : "memory");
       }
     }
-    src.next += 4 * src.piece_step;  // the next chunk's
-  };
-  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
-  // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
-  // it = 0, 1, 2, ... in order (the sources step a chunk each call).
-  auto issue = [&](int64_t it, int slot) {
-    if (it < chunks) {
-      const int n = work.chunk_len(work.seg_begin + it * C, C);
-      stage(tile_of(slot, 0), a_src, ops.a_rows(), n);
-      stage(tile_of(slot, 1), b_src, ops.b_rows(), n);
-      stage(tile_of(slot, 2), c_src, ops.c_rows(), n);
-    }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-  };
+    src.next += kBack ? -4 * src.piece_step : 4 * src.piece_step;
+  }
+};
 
-  // The state: row e = 16 warp + g (+8), column m = 8 j + 2 q4 (+1) in state[4 j ..]; from zero.
-  float state[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) state[i] = 0.f;
-  // The state's copy for the next chunk's A S, in the staged layout. bfloat16: hi = bf16(S),
-  // lo = bf16(S - hi) one tile after. float16 (one part, rounding 8x finer) holds S 2^-shift,
-  // shift chosen each chunk from the block's largest |S| so that the copy stays below 2^14
-  // (float16 ends at 65504; a state can pass that long before any output does), and A S is
-  // multiplied back by copy_scale = 2^shift: the mma.sync kernel's scaled copy. The largest |S|
-  // is posted by each warp (post_warp_max) before the barrier that precedes publish.
-  float copy_scale = 1.f;
-  auto post_warp_max = [&] {
+// The state's 16-bit copy, read by the products that multiply by the state, in the staged layout
+// (state row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes). bfloat16:
+// hi = bf16(S) at `at`, lo = bf16(S - hi) one tile after. float16 (one part, rounding 8x finer)
+// holds S 2^-shift, shift chosen each chunk from the block's largest |S| so that the copy stays
+// below 2^14 (float16 ends at 65504; a state can pass that long before any output does), and the
+// products with the copy are multiplied back by scale = 2^shift (scale_back): the mma.sync
+// kernel's scaled copy. The largest |S| is posted by each warp (post_max) before the barrier that
+// precedes publish.
+template <bool kHalf>
+struct StateCopy {
+  uint32_t at;
+  float* warp_max;  // [4], shared
+  float scale = 1.f;
+
+  __device__ void post_max(const float (&state)[32]) const {
     float largest = 0.f;
 #pragma unroll
     for (int i = 0; i < 32; ++i) largest = fmaxf(largest, fabsf(state[i]));
 #pragma unroll
     for (int offset = kWarp / 2; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-    if (lane == 0) warp_max_s[warp] = largest;
-  };
-  auto publish = [&] {
+    if (threadIdx.x % kWarp == 0) warp_max[threadIdx.x / kWarp] = largest;
+  }
+  __device__ void publish(const float (&state)[32]) {
+    const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
     float inverse = 1.f;
     if constexpr (kHalf) {
-      const float largest = fmaxf(fmaxf(warp_max_s[0], warp_max_s[1]), fmaxf(warp_max_s[2], warp_max_s[3]));
+      const float largest = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
       int shift = 0;
       if (largest > 16384.f && largest <= FLT_MAX) frexpf(largest / 16384.f, &shift);  // largest 2^-shift <= 2^14
-      copy_scale = ldexpf(1.f, shift);
-      inverse = 1.f / copy_scale;  // a power of two: exact
+      scale = ldexpf(1.f, shift);
+      inverse = 1.f / scale;  // a power of two: exact
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
-        const uint32_t at = state_copy + (e / 8) * 1024 + (m / 8) * 128 + (e % 8) * 16 + (m % 8) * 2;
+        const uint32_t word = at + e * 128 + ((m / 8) ^ (e % 8)) * 16 + (m % 8) * 2;
         const float x = state[4 * j + 2 * h] * inverse, y = state[4 * j + 2 * h + 1] * inverse;
         const uint32_t hi = pack<kHalf>(x, y);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(hi) : "memory");
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word), "r"(hi) : "memory");
         if constexpr (!kHalf) {
           const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at + kTile), "r"(pack<kHalf>(x - x_hi, y - y_hi)) : "memory");
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word + kTile), "r"(pack<kHalf>(x - x_hi, y - y_hi)) : "memory");
         }
       }
-  };
-  if constexpr (kHalf) {  // the zero state's copy, at scale 1
-    if (lane == 0) warp_max_s[warp] = 0.f;
-    __syncthreads();
   }
-  publish();
+  // The first chunk's copy (a barrier before its first reader): float16's scale from the state
+  // itself, which a segment's start makes anything.
+  __device__ void publish_first(const float (&state)[32]) {
+    if constexpr (kHalf) {
+      post_max(state);
+      __syncthreads();
+    }
+    publish(state);
+  }
+  // A product with the copy alone (before anything else accumulates into it), back to S's scale.
+  __device__ void scale_back(float (&d)[32]) const {
+    if constexpr (kHalf) {
+      if (scale != 1.f) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) d[i] *= scale;
+      }
+    }
+  }
+};
+
+// A segment's start (SegmentStart: the scanned sums of the segments before it, in time order)
+// into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
+// own sums out (SegmentEnd, state-only blocks). Accumulator layout: row 16 warp + g (+8), column
+// 8 j + 2 q4 (+1) in d[4 j ..]; rows below Da, columns below Dc.
+__device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
+                                           int64_t Da, int64_t Dc, bool zero) {
+  const SegmentStart<float> start(p, pair, segment, Da, Dc);
+  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+      d[4 * j + e] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
+    }
+}
+__device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc) {
+  if (to == nullptr) return;
+  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+      if (row < Da && column < Dc) to[row * Dc + column] = d[4 * j + e];
+    }
+}
+
+// d = A B^T over a chunk (the scores), both staged tiles K-major along their columns.
+template <bool kHalf>
+__device__ __forceinline__ void scores_of(float (&d)[32], uint32_t a_tile, uint32_t b_tile) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 0>(d, k_along_columns(a_tile, s), k_along_columns(b_tile, s), s > 0);
+}
+
+// d = A (a staged tile, K-major) times the state's copy at `copy`: the copy as it is (kTransB = 1,
+// MN-major: A S) or transposed (kTransB = 0, K-major: A S^T). bfloat16 multiplies both parts, the
+// remainder first (the small terms first), then the head.
+template <bool kHalf, int kTransB>
+__device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy) {
+  auto b = [](uint32_t tile, int s) { return kTransB ? k_along_rows(tile, s) : k_along_columns(tile, s); };
+  if constexpr (!kHalf) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, kTransB>(d, k_along_columns(a_tile, s), b(copy + kTile, s), s > 0);
+  }
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, kTransB>(d, k_along_columns(a_tile, s), b(copy, s), !kHalf || s > 0);
+}
+
+// d += mask(score) X (X a staged tile, MN-major: K along its rows), in one committed group. The
+// scores (row r, column c: c <= r kept, or c >= r for kReverse) go in as 16-bit register A
+// fragments, each warp its 16 rows.
+template <bool kHalf, bool kReverse>
+__device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
+  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  auto kept = [&](int j, int e) {
+    const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
+    return kReverse ? column >= row : column <= row;
+  };
+  uint32_t a[4][4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // fragment register r of k-step s: n-tile 2 s + r / 2, entries 2 (r % 2) ..
+      const int j = 2 * s + r / 2, e = 2 * (r % 2);
+      a[s][r] = pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
+    }
+  fence();
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_rs<kHalf, 1>(d, a[s], k_along_rows(x_tile, s));
+  commit();
+}
+
+// An accumulator times factor, rounded into this warp's 16 staging rows (kOutStride elements
+// apart), then written out 16 bytes a lane: rows r < n, columns < width of out (rows out_l
+// apart), element by element where rows are not vectors.
+template <bool kHalf, typename scalar_t>
+__device__ __forceinline__ void store_rows(const float (&acc)[32], float factor, uint16_t* staging, scalar_t* out,
+                                           int64_t out_l, int n, int64_t width, bool vectors) {
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
+  __syncwarp();  // the warp's reads of its rows' previous contents are done
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
+      *reinterpret_cast<uint32_t*>(staging + row * kOutStride + column) =
+          pack<kHalf>(acc[4 * j + 2 * h] * factor, acc[4 * j + 2 * h + 1] * factor);
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * 8; i += kWarp) {
+    const int row = 16 * warp + i / 8, column = 8 * (i % 8);
+    if (row < n && column < width) {
+      if (vectors) {
+        *reinterpret_cast<uint4*>(out + row * out_l + column) =
+            *reinterpret_cast<const uint4*>(staging + row * kOutStride + column);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          reinterpret_cast<uint16_t*>(out)[row * out_l + column + e] = staging[row * kOutStride + column + e];
+        }
+      }
+    }
+  }
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace wgmma
+
+// The forward and dq (wgmma_takes): one block a (sequence, head, time segment), from the segment's
+// start (SegmentStart); state-only blocks (launch_segmented's first launch) sum their segment's
+// B^T Cc alone.
+template <Pass P, typename scalar_t>
+__global__ void __launch_bounds__(wgmma::kThreads, 1)
+    wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace wgmma;
+  constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
+  static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
+  static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
+
+  extern __shared__ __align__(1024) unsigned char wgmma_smem[];
+  const uint32_t base = smem_address(wgmma_smem);
+  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 3 + 2) * kTile);
+  StateCopy<kHalf> copy{base + kStages * 3 * kTile,
+                        reinterpret_cast<float*>(wgmma_smem + (kStages * 3 + 2) * kTile + kStagingBytes)};
+
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C, Dc);
+  const Operands<P, scalar_t, float> ops = work.operands(p);
+  const int64_t chunks = work.chunk_count(C);
+  const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
+  const Stager stage(threadIdx.x, p.rows_are_vectors);
+  Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da), b_src = stage.source(ops.b_rows(), work.seg_begin, Da),
+         c_src = stage.source(ops.c_rows(), work.seg_begin, Dc);
+  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
+  // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
+  // it = 0, 1, 2, ... in order (the sources step a chunk each call).
+  auto issue = [&](int64_t it, int slot) {
+    if (it < chunks) {
+      const int n = work.chunk_len(work.seg_begin + it * C, C);
+      if (!state_only) stage.operator()<false>(tile_of(slot, 0), a_src, ops.a_rows().ptr, n);
+      stage.operator()<false>(tile_of(slot, 1), b_src, ops.b_rows().ptr, n);
+      stage.operator()<false>(tile_of(slot, 2), c_src, ops.c_rows().ptr, n);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+
+  // The state: row e = 16 warp + g (+8), column m = 8 j + 2 q4 (+1) in state[4 j ..]; from the
+  // segment's start.
+  float state[32];
+  load_start(state, p, work.pair, work.segment, Da, Dc, state_only);
+  if (!state_only) copy.publish_first(state);
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
@@ -301,86 +465,154 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     __syncthreads();        // ... and by every thread's; the slot chunk it + kStages - 1 fills is free
     const int next_slot = slot == 0 ? kStages - 1 : slot - 1;  // chunk it - 1's
     const uint32_t at = tile_of(slot, 0), bt = tile_of(slot, 1), ct = tile_of(slot, 2);
+    if (state_only) {
+      fence();
+#pragma unroll
+      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state, k_along_rows(bt, s), k_along_rows(ct, s));  // S += B^T Cc
+      commit();
+      issue(it + kStages - 1, next_slot);
+      wait<0>();
+      continue;
+    }
 
     float score[32], out[32];  // set by their first products (accumulate = false)
     fence();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 0>(score, k_along_columns(at, s), k_along_columns(bt, s), s > 0);  // A B^T
+    scores_of<kHalf>(score, at, bt);  // A B^T
     commit();
-    if constexpr (!kHalf) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {  // A S: the remainder first (the small terms first), then the head
-        mma_ss<kHalf, 0, 1>(out, k_along_columns(at, s), k_along_rows(state_copy + kTile, s), s > 0);
-      }
-    }
-#pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 1>(out, k_along_columns(at, s), k_along_rows(state_copy, s), !kHalf || s > 0);
+    times_state_copy<kHalf, 1>(out, at, copy.at);  // A S
     commit();
 #pragma unroll
     for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state, k_along_rows(bt, s), k_along_rows(ct, s));  // S += B^T Cc
     commit();
     issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
     wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
-    if constexpr (kHalf) {  // A S alone back from the copy's scale (see publish)
-      if (copy_scale != 1.f) {
+    copy.scale_back(out);
+    add_masked_times<kHalf, false>(out, score, ct);  // out += P Cc
+    wait<0>();
+    if constexpr (kHalf) copy.post_max(state);  // the state after this chunk; read after the barrier below
+
+    const int64_t t0 = work.seg_begin + it * C;
+    store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, work.chunk_len(t0, C), Dc,
+                      stage.vectors);
+    __syncthreads();     // every warp's wgmma has read the state copy
+    copy.publish(state);  // S after this chunk, for the next
+  }
+  store_end(state, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state,
+            Da, Dc);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
+#endif
+}
+
+// dk and dv in one pass, in reverse time: one block a (sequence, head, time segment), from its
+// last chunk to its first, from the sums of the segments after it (state-only blocks sum their
+// segment's dO^T Q alone). The state D = sum over the timesteps after the chunk of dO^T q (M x E; the mma.sync
+// fused pass's, without the scale) serves both gradients:
+//
+//   dv = K D^T + mask(K Q^T) dO,  dk = V D + mask(V dO^T) Q  (each times scale),  D += dO^T Q
+//
+// (mask: the scores of timesteps t >= s kept), dv's products first, then dk's with D's update
+// behind them. q, k, v and dO are staged once a chunk where the two passes staged six tiles; the
+// state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
+// pass's, as run_grad_kv gives them).
+template <typename scalar_t>
+__global__ void __launch_bounds__(wgmma::kThreads, 1)
+    wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace wgmma;
+  constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
+  static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
+  using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
+
+  extern __shared__ __align__(1024) unsigned char wgmma_smem[];
+  const uint32_t base = smem_address(wgmma_smem);
+  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 4 + 2) * kTile);
+  StateCopy<kHalf> copy{base + kStages * 4 * kTile,
+                        reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes)};
+
+  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, C, Dc);
+  const Operands<Pass::GradKV, scalar_t, float> ops = work.operands(p);  // q, k, v, dO; out: dk
+  const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
+  const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
+  const bool state_only = work.state_only;  // the segment's own dO^T Q alone
+  const Stager stage(threadIdx.x, p.rows_are_vectors);
+  const int64_t last = work.seg_begin + (chunks > 0 ? chunks - 1 : 0) * C;  // the first chunk taken
+  const Rows q_rows{ops.q, ops.q_l}, k_rows{ops.k, ops.k_l}, v_rows{ops.v, ops.v_l}, dout_rows{ops.dout, ops.dout_l};
+  Source q_src = stage.source(q_rows, last, E), k_src = stage.source(k_rows, last, E),
+         v_src = stage.source(v_rows, last, M), dout_src = stage.source(dout_rows, last, M);
+  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
+  auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
+  auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
+    if (it < chunks) {
+      const int n = work.chunk_len(chunk_begin(it), C);
+      stage.operator()<true>(tile_of(slot, 0), q_src, ops.q, n);
+      if (!state_only) stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
+      if (!state_only) stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
+      stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+
+  // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
+  // (the sums of the segments after it).
+  float d[32];
+  load_start(d, p, work.pair, work.segment, M, E, state_only);
+  if (!state_only) copy.publish_first(d);
+
+  const float factor = float(p.scale);
+  for (int i = 0; i < kStages - 1; ++i) issue(i, i);
+  int slot = 0;
+  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    fence_shared_writes();
+    __syncthreads();
+    const int next_slot = slot == 0 ? kStages - 1 : slot - 1;
+    const uint32_t qt = tile_of(slot, 0), kt = tile_of(slot, 1), vt = tile_of(slot, 2), dt = tile_of(slot, 3);
+    const int64_t t0 = chunk_begin(it);
+    const int n = work.chunk_len(t0, C);
+    if (state_only) {
+      fence();
 #pragma unroll
-        for (int i = 0; i < 32; ++i) out[i] *= copy_scale;
-      }
+      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(dt, s), k_along_rows(qt, s));  // D += dO^T Q
+      commit();
+      issue(it + kStages - 1, next_slot);
+      wait<0>();
+      continue;
     }
 
-    // The masked scores (row t, column s: s <= t kept) as the 16-bit A fragments of P Cc, each
-    // warp its 16 rows.
-    uint32_t scores[4][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
-        if (column > row) score[4 * j + e] = 0.f;
-      }
-#pragma unroll
-    for (int s = 0; s < 4; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) scores[s][r] = pack<kHalf>(score[8 * s + 2 * r], score[8 * s + 2 * r + 1]);
+    float score[32], acc[32];
+    // dv = K D^T + mask(K Q^T) dO
     fence();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) mma_rs<kHalf, 1>(out, scores[s], k_along_rows(ct, s));  // out += P Cc
+    scores_of<kHalf>(score, kt, qt);
+    commit();
+    times_state_copy<kHalf, 0>(acc, kt, copy.at);
     commit();
     wait<0>();
-    if constexpr (kHalf) post_warp_max();  // the state after this chunk; read after the barrier below
+    copy.scale_back(acc);
+    add_masked_times<kHalf, true>(acc, score, dt);
+    wait<0>();
+    store_rows<kHalf>(acc, factor, staging, ops_v.out + t0 * ops_v.out_l, ops_v.out_l, n, M, stage.vectors);
 
-    // The outputs, rounded into this warp's 16 staging rows, then written out 16 bytes a lane:
-    // rows t0 + r (r < n), columns < Dc.
-    const int64_t t0 = work.seg_begin + it * C;
-    const int n = work.chunk_len(t0, C);
+    // dk = V D + mask(V dO^T) Q, with D += dO^T Q behind it
+    fence();
+    scores_of<kHalf>(score, vt, dt);
+    commit();
+    times_state_copy<kHalf, 1>(acc, vt, copy.at);
+    commit();
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(out_rows + row * kOutStride + column) =
-            pack<kHalf>(out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
-      }
-    __syncwarp();
-    scalar_t* out_base = ops.out + t0 * ops.out_l;
-#pragma unroll
-    for (int i = lane; i < 16 * 8; i += kWarp) {
-      const int row = 16 * warp + i / 8, column = 8 * (i % 8);
-      if (row < n && column < Dc) {
-        if (vectors) {
-          *reinterpret_cast<uint4*>(out_base + row * ops.out_l + column) =
-              *reinterpret_cast<const uint4*>(out_rows + row * kOutStride + column);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            reinterpret_cast<uint16_t*>(out_base)[row * ops.out_l + column + e] = out_rows[row * kOutStride + column + e];
-          }
-        }
-      }
-    }
-    __syncthreads();  // every warp's wgmma has read the state copy (and its staging rows are free)
-    publish();        // S after this chunk, for the next
+    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(dt, s), k_along_rows(qt, s));  // D += dO^T Q
+    commit();
+    issue(it + kStages - 1, next_slot);
+    wait<1>();  // the scores and V D; D's update may still run
+    copy.scale_back(acc);
+    add_masked_times<kHalf, true>(acc, score, qt);
+    wait<0>();
+    if constexpr (kHalf) copy.post_max(d);
+    store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E, stage.vectors);
+    __syncthreads();  // every warp's wgmma has read the state copy
+    copy.publish(d);
   }
+  store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
@@ -392,48 +624,40 @@ constexpr bool kWgmmaInput = std::is_same_v<scalar_t, at::BFloat16> || std::is_s
 // Whether the device is of compute capability 9.0 (where an sm_90a binary runs), asked once per device.
 bool device_runs_sm90a();
 
-// Whether `pairs` (sequence, head) pairs are what the wgmma kernel runs faster than the mma.sync
-// kernels by default: one wave of one block a multiprocessor, from 70% of the multiprocessors to
-// all of them. H200 (132 multiprocessors), bfloat16 E = M = 64, CUDA graph replay, fwd / fwd+bwd
-// ms, wgmma against mma.sync (RESULTS.md, sixteenth session):
-//   L = 2048:  96 pairs 0.059 / 0.222 against 0.072 / 0.227;  112: 0.062 / 0.229 against 0.083 / 0.251
-//              128: 0.067 / 0.241 against 0.085 / 0.257 (E = M = 32: 0.048 / 0.196 against 0.072 / 0.229)
-//              192: 0.114 / 0.382 against 0.107 / 0.346;  256: 0.126 / 0.412 against 0.113 / 0.395
-//   L = 8192:  64 pairs (the kernel's first version, forward) 0.219 against 0.152, the mma.sync
-//              kernels' time segments filling the device;  128: 0.235 / 0.835 against 0.250 / 0.823
-// Below, the mma.sync kernels' time segments fill the device; above, two blocks share a
-// multiprocessor, which the mma.sync kernels use better.
-inline bool wgmma_pair_count(int64_t pairs) {
-  const int64_t sms = multiprocessor_count();
-  return 10 * pairs >= 7 * sms && pairs <= sms;
-}
-
 // Whether pass P runs on the wgmma kernel: built for sm_90a, a device of compute capability 9.0,
-// the forward or dq, bfloat16 or float16, Da and Dc up to 64 in whole 16-byte vectors, no
-// normalize, no states in or out, and a pair count it runs faster (wgmma_pair_count; packed
-// sequences too, counted as pairs: the mma.sync kernels run one block a sequence as well). dk and
-// dv keep their fused mma.sync pass (as two wgmma passes they measured slower: bf16 8,16,2048,64
-// 0.066 ms each against 0.110 for both). A function of the shapes and the device alone (not of
-// the rows' alignment), so that a plan (dry_run) and the run agree on the forward's segments.
-// FAST_CAUSAL_ATTN_WGMMA=0 turns the kernel off and =1 takes it wherever it can run, for
-// measuring; a forced segment count (FAST_CAUSAL_ATTN_SEGMENTS > 1) asks for the segmented
-// kernels and turns it off too.
+// the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's Da = M,
+// Dc = E), bfloat16 or float16, Da and Dc up to 64 in whole 16-byte vectors, no normalize, no
+// states in or out, and at least kWgmmaMinPairs (sequence, head) pairs (packed sequences counted
+// as pairs). Where it runs it was the faster family at every shape measured (H200, bfloat16,
+// fwd / fwd+bwd ms, wgmma against mma.sync; RESULTS.md, seventeenth session), CUDA graph replay:
+//   4,16,8192,64 (64 pairs, time segments) 0.127 / 0.396 against 0.151 / 0.464
+//   6,16,2048,64 (96) 0.046 / 0.168 against 0.072 / 0.227;  4,32,2048,32 0.048 / 0.174 against 0.072 / 0.227
+//   8,16,2048,64 (128) 0.048 / 0.173 against 0.085 / 0.257
+//   16,16,2048,64 (256: two blocks a multiprocessor) 0.082 / 0.312 against 0.113 / 0.399
+// and do_bench medians: 32,16,1024,64 (512) 0.081 / 0.328 against 0.128 / 0.425; 8,16,2048,16
+// 0.046 / 0.199 against 0.069 / 0.290; 8,16,2048,64,32 0.048 / 0.174 against 0.078 / 0.248. With
+// 8 pairs (2,4,8192 and 1,8,2048) only do_bench was measured, where the host's time to issue a
+// call dominates: the forward faster (0.039 against 0.048), fwd+bwd slower (0.239 against 0.198);
+// fewer than 64 pairs keep mma.sync until their GPU time is measured. A function of the shapes
+// and the device alone (not of the rows' alignment), so that a plan (dry_run) and the run agree
+// on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the kernel off and =1 takes it
+// wherever it can run, for measuring (FAST_CAUSAL_ATTN_SEGMENTS forces its segment count as the
+// other families').
+constexpr int64_t kWgmmaMinPairs = 64;
 template <Pass P, typename scalar_t>
 bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 #if defined(FAST_CAUSAL_ATTN_SM90A)
-  if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradQ)) {
+  if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradQ && P != Pass::GradKV)) {
     return false;
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
-    const char* segments = std::getenv("FAST_CAUSAL_ATTN_SEGMENTS");
-    if (segments != nullptr && std::atoll(segments) > 1) return false;
     if (Da > 64 || Dc > 64 || Da % 8 != 0 || Dc % 8 != 0 || p.normalize) return false;
     // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
     // marks a state by its kv alone) must decide as the run does.
     if (p.has_state_io()) return false;
     const bool forced = switch_ != nullptr && std::strcmp(switch_, "1") == 0;
-    if (!forced && !wgmma_pair_count(p.num_seqs * p.H)) return false;
+    if (!forced && p.num_seqs * p.H < kWgmmaMinPairs) return false;
     return device_runs_sm90a();
   }
 #else
@@ -442,15 +666,49 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 #endif
 }
 
-// Runs pass P on the wgmma kernel (wgmma_takes must hold): one block a (sequence, head), whole.
+// Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
+// hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
+// forward's starts where it kept them); returns the forward's segment starts where it keeps them,
+// and a plan's count (dry_run) without launching.
 template <Pass P, typename scalar_t>
-void launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  using wgmma::C;
   KernelParams p = params;
   p.rows_are_vectors = rows_are_vectors(p, 2);
   p.state_head = 0;
-  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, 1, wgmma::C, Da, Dc);  // one segment
-  launch_segmented<P>(wgmma_product_kernel<P, scalar_t>, p, workspace, p.num_seqs * p.H, wgmma::kThreads,
-                      wgmma::kSmemBytes, stream, Da, Dc, 1);
+  const int64_t pairs = p.num_seqs * p.H;
+  constexpr int kTiles = P == Pass::GradKV ? 4 : 3;
+  const auto kernel = [] {
+    if constexpr (P == Pass::GradKV) {
+      return wgmma_grad_kv_kernel<scalar_t>;
+    } else {
+      return wgmma_product_kernel<P, scalar_t>;
+    }
+  }();
+  if constexpr (P == Pass::GradQ) {
+    if (take_forward_segments(p, C)) {
+      if (!p.dry_run) {
+        launch_segmented<P>(kernel, p, SegmentWorkspace{}, pairs * p.segments, wgmma::kThreads,
+                            wgmma::smem_bytes(kTiles), stream, Da, Dc, 1);
+      }
+      return {};
+    }
+  }
+  // One block a multiprocessor: a second measured no faster (RESULTS.md, sixteenth session, calls 3
+  // and 6, before the swizzled staging; not measured since), so segments only until the pairs
+  // fill the multiprocessors once.
+  const int64_t sms = multiprocessor_count();
+  const int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(pairs, sms / pairs * pairs, p.L,
+                                                                         kMinChunksPerSegment * C);
+  const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
+  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
+  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
+  launch_segmented<P>(kernel, p, workspace, pairs * p.segments, wgmma::kThreads, wgmma::smem_bytes(kTiles), stream,
+                      Da, Dc, 1);
+  if constexpr (P == Pass::Forward) {
+    if (p.keep_segments) return workspace.kept();
+  }
+  return {};
 }
 
 }  // namespace cuda
