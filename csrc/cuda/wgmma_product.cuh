@@ -181,11 +181,12 @@ struct Source {
 // sector, each sector requested twice, for any assignment of lanes to pieces (three measured):
 // 6.3 M sectors in 5.9 M L2 requests against fla's 3.1 M in 0.8 M, with the L2 78% busy at 2.1
 // TB/s, the kernel's limit (H200 ncu, bf16 8,16,2048,64; RESULTS.md, seventeenth session). A row
-// past the sequence or a column group past the operand's width is zeros. Each operand's next source row is kept and stepped a chunk at a time, and a
-// whole chunk is copied without row tests (computed per piece and chunk, with 64-bit products
-// and the row pointers reloaded from the parameters, the copies' address arithmetic was the
-// kernel's most-executed and most-stalled work: H200 ncu, 8,16,2048). Rows that are not 16-byte
-// vectors (KernelParams::rows_are_vectors) are copied element by element, in the same places.
+// past the sequence or a column group past the operand's width is zeros. Each operand's next
+// source row is kept and stepped a chunk at a time, and a whole chunk is copied without row tests
+// (computed per piece and chunk, with 64-bit products and the row pointers reloaded from the
+// parameters, the copies' address arithmetic was the kernel's most-executed and most-stalled
+// work: H200 ncu, 8,16,2048). Rows that are not 16-byte vectors (KernelParams::rows_are_vectors)
+// are copied element by element, in the same places.
 struct Stager {
   int row0, col;
   uint32_t piece0;  // row0's piece in a tile; piece i (16 rows on: the same row % 8) at + 2048 i
