@@ -8,6 +8,15 @@
 //     copies each operand's 8 KB with one instruction, completion counted on an mbarrier.
 // Each thread reads one 16-byte vector of each chunk back (so that nothing is optimized away) and
 // the block's xor is written out. benchmarks/stream_probe.py builds, checks and times it.
+//
+// The cp.async copies land in one of four shared-memory layouts of a chunk's 64 rows x 128 bytes
+// (each eight lanes copy one whole row, as the kernels' staging does), to see whether where a
+// global line lands decides how it reaches the L2 (the unswizzled wgmma staging's copies became
+// one-sector requests; RESULTS.md, seventeenth session):
+//   kContiguous: row r at 128 r, its 16-byte groups in order;
+//   kPadded: row r at 144 r (the mma.sync kernels' rows padded by 16 bytes for ldmatrix);
+//   kSwizzled: row r at 128 r, group c at (c ^ r % 8) 16 (wgmma's 128-byte swizzle);
+//   kCoreMatrices: group c of row r at (r / 8) 1024 + c 128 + (r % 8) 16 (the unswizzled wgmma layout).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAException.h>
 #include <torch/extension.h>
@@ -50,11 +59,26 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, int bytes,
                : "memory");
 }
 
-template <int kStages, bool kBulk>
+enum Layout { kContiguous, kPadded, kSwizzled, kCoreMatrices };
+template <int kLayout>
+constexpr int kOperandBytes = kLayout == kPadded ? 64 * 144 : kChunkBytes;
+// Where vector i of an operand's chunk (row i / 8, group i % 8) lands, in bytes from the operand's slot.
+template <int kLayout>
+__device__ __forceinline__ uint32_t place(int i) {
+  const int r = i / 8, c = i % 8;
+  if constexpr (kLayout == kPadded) return r * 144 + c * 16;
+  if constexpr (kLayout == kSwizzled) return r * 128 + ((c ^ (r % 8)) * 16);
+  if constexpr (kLayout == kCoreMatrices) return (r / 8) * 1024 + c * 128 + (r % 8) * 16;
+  return 16 * i;
+}
+
+template <int kStages, bool kBulk, int kLayout = kContiguous>
 __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* k, const uint4* v, int64_t L, int chunks,
                                                           int segments, uint4* out) {
   extern __shared__ __align__(128) unsigned char smem[];
-  uint4* slots = reinterpret_cast<uint4*>(smem);  // [kStages][2][kVectors]
+  uint4* slots = reinterpret_cast<uint4*>(smem);  // [kStages][2][kVectors] (kBulk: kContiguous)
+  unsigned char* bytes = smem;                    // [kStages][2][kOperandBytes] (cp.async)
+  static_assert(!kBulk || kLayout == kContiguous, "bulk copies: contiguous");
   __shared__ uint64_t bars[kStages];
   const int tid = threadIdx.x;
   const int64_t pair = blockIdx.x / segments, segment = blockIdx.x % segments;
@@ -76,8 +100,8 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* k, const 
       if constexpr (!kBulk) asm volatile("cp.async.commit_group;\n" ::: "memory");
       return;
     }
-    uint4* slot = slots + (it % kStages) * 2 * kVectors;
     if constexpr (kBulk) {
+      uint4* slot = slots + (it % kStages) * 2 * kVectors;
       if (tid == 0) {
         uint64_t* bar = &bars[it % kStages];
         mbarrier_expect(bar, 2 * kChunkBytes);
@@ -85,13 +109,15 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* k, const 
         bulk_copy(slot + kVectors, v0 + int64_t(it) * kVectors, kChunkBytes, bar);
       }
     } else {
+      unsigned char* to = bytes + (it % kStages) * 2 * kOperandBytes<kLayout>;
 #pragma unroll
       for (int j = 0; j < kPerThread; ++j) {
         const int i = tid + j * kThreads;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_address(slot + i)),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_address(to + place<kLayout>(i))),
                      "l"(k0 + int64_t(it) * kVectors + i)
                      : "memory");
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_address(slot + kVectors + i)),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                         smem_address(to + kOperandBytes<kLayout> + place<kLayout>(i))),
                      "l"(v0 + int64_t(it) * kVectors + i)
                      : "memory");
       }
@@ -108,18 +134,19 @@ __global__ void __launch_bounds__(kThreads) stream_kernel(const uint4* k, const 
     }
     __syncthreads();  // chunk it is here for every thread; every thread is done with chunk it - 1
     issue(it + kStages - 1);  // into chunk it - 1's slot
-    const uint4* slot = slots + (it % kStages) * 2 * kVectors;
-    const uint4 a = slot[tid], b = slot[kVectors + tid];
+    const unsigned char* at = bytes + (it % kStages) * 2 * kOperandBytes<kLayout>;
+    const uint4 a = *reinterpret_cast<const uint4*>(at + place<kLayout>(tid));
+    const uint4 b = *reinterpret_cast<const uint4*>(at + kOperandBytes<kLayout> + place<kLayout>(tid));
     acc.x ^= a.x ^ b.x, acc.y ^= a.y ^ b.y, acc.z ^= a.z ^ b.z, acc.w ^= a.w ^ b.w;
   }
   out[int64_t(blockIdx.x) * kThreads + tid] = acc;
 }
 
-template <int kStages, bool kBulk>
+template <int kStages, bool kBulk, int kLayout = kContiguous>
 void launch(const torch::Tensor& k, const torch::Tensor& v, int chunks, int segments, torch::Tensor& out) {
   const int64_t pairs = k.size(0), L = k.size(1);
-  const size_t smem = size_t(kStages) * 2 * kChunkBytes;
-  auto kernel = stream_kernel<kStages, kBulk>;
+  const size_t smem = size_t(kStages) * 2 * kOperandBytes<kLayout>;
+  auto kernel = stream_kernel<kStages, kBulk, kLayout>;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   kernel<<<unsigned(pairs * segments), kThreads, smem, c10::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const uint4*>(k.data_ptr()), reinterpret_cast<const uint4*>(v.data_ptr()), L, chunks, segments,
@@ -129,17 +156,29 @@ void launch(const torch::Tensor& k, const torch::Tensor& v, int chunks, int segm
 
 // k, v: [pairs, L, 64] bf16 contiguous, L a multiple of 64; segments of `chunks` chunks from the
 // start of each pair (as many as `segments`). Returns [pairs * segments, 128] 16-byte xors.
-torch::Tensor stream(torch::Tensor k, torch::Tensor v, int64_t chunks, int64_t segments, int64_t stages, bool bulk) {
+// layout: Layout, for cp.async (bulk copies land contiguous).
+torch::Tensor stream(torch::Tensor k, torch::Tensor v, int64_t chunks, int64_t segments, int64_t stages, bool bulk,
+                     int64_t layout) {
   TORCH_CHECK(k.is_cuda() && k.is_contiguous() && k.dim() == 3 && k.size(2) == 64 && k.element_size() == 2, "k");
   TORCH_CHECK(v.sizes() == k.sizes() && v.is_contiguous() && v.element_size() == 2, "v");
   TORCH_CHECK(k.size(1) % 64 == 0 && chunks * segments * 64 <= k.size(1), "segments past L");
   auto out = torch::empty({k.size(0) * segments, kThreads, 4}, k.options().dtype(torch::kInt32));
   const int c = int(chunks), s = int(segments);
-#define STREAM_CASE(N)                         \
-  if (stages == N) {                           \
-    bulk ? launch<N, true>(k, v, c, s, out)    \
-         : launch<N, false>(k, v, c, s, out);  \
-    return out;                                \
+  TORCH_CHECK(layout >= kContiguous && layout <= kCoreMatrices && (!bulk || layout == kContiguous), "layout");
+#define STREAM_CASE(N)                                                 \
+  if (stages == N) {                                                   \
+    if (bulk) {                                                        \
+      launch<N, true>(k, v, c, s, out);                                \
+    } else if (layout == kPadded) {                                    \
+      launch<N, false, kPadded>(k, v, c, s, out);                      \
+    } else if (layout == kSwizzled) {                                  \
+      launch<N, false, kSwizzled>(k, v, c, s, out);                    \
+    } else if (layout == kCoreMatrices) {                              \
+      launch<N, false, kCoreMatrices>(k, v, c, s, out);                \
+    } else {                                                           \
+      launch<N, false>(k, v, c, s, out);                               \
+    }                                                                  \
+    return out;                                                        \
   }
   STREAM_CASE(2)
   STREAM_CASE(3)
@@ -152,4 +191,7 @@ torch::Tensor stream(torch::Tensor k, torch::Tensor v, int64_t chunks, int64_t s
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("stream", &stream); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream", &stream, pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("chunks"), pybind11::arg("segments"),
+        pybind11::arg("stages"), pybind11::arg("bulk"), pybind11::arg("layout") = 0);
+}

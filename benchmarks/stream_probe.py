@@ -6,6 +6,13 @@ as the kernels do) or by bulk copies (sm_90's one-dimensional TMA copy), at 2-6 
 
 bf16 [pairs, L, 64] contiguous. Each case is checked against torch (the xor of the vectors each
 thread reads), then timed (do_bench median) beside the copy bandwidth measured here.
+
+    python benchmarks/stream_probe.py --layouts           # cp.async into four shared-memory layouts
+    bash benchmarks/l2_requests.sh stream_kernel python benchmarks/stream_probe.py --layouts --once
+
+--layouts: the cp.async copies (3 and 4 slots) landing contiguous, in rows padded to 144 bytes
+(the mma.sync kernels' ldmatrix rows), in wgmma's 128-byte swizzle, or in the unswizzled
+core-matrix layout; --once launches each case once and times nothing (for ncu).
 """
 import os
 import sys
@@ -36,10 +43,39 @@ def expected(k, v, segments, chunks):
     return out.reshape(pairs * segments, 128, 4)
 
 
+LAYOUTS = ["contiguous", "padded 144", "swizzled", "core matrices"]
+
+
+def layouts(module, once):
+    """The cp.async copies into each shared-memory layout: checked, then timed (or launched once)."""
+    from triton.testing import do_bench
+
+    for name, pairs, L, segments, chunks in CASES[2:]:
+        k = torch.randn(pairs, L, 64, device="cuda").bfloat16()
+        v = torch.randn(pairs, L, 64, device="cuda").bfloat16()
+        want = expected(k, v, segments, chunks)
+        nbytes = pairs * segments * chunks * 2 * 64 * 64 * 2
+        line = [f"{name:26} {pairs * segments:4} blocks, {nbytes / 1e6:5.1f} MB:"]
+        for stages in (3, 4):
+            for layout, layout_name in enumerate(LAYOUTS):
+                out = module.stream(k, v, chunks, segments, stages, False, layout)
+                assert torch.equal(out, want), f"{name}: wrong data, {layout_name}, stages={stages}"
+                if once:
+                    continue
+                ms = do_bench(lambda: module.stream(k, v, chunks, segments, stages, False, layout), warmup=25, rep=200)
+                line.append(f"{layout_name} {stages}: {ms * 1e3:5.1f} us {nbytes / ms / 1e9:4.2f} TB/s")
+        print(line[0])
+        for i in range(1, len(line), 4):
+            print("    " + "; ".join(line[i:i + 4]))
+
+
 def main():
     from triton.testing import do_bench
 
     module = build_sm90a("stream_probe", "stream_probe.cu")
+    if "--layouts" in sys.argv:
+        layouts(module, "--once" in sys.argv)
+        return
     big = torch.empty(2**28, dtype=torch.int32, device="cuda")
     copy_ms = do_bench(lambda: big.clone(), warmup=50, rep=300)
     bandwidth = 2 * big.numel() * 4 / copy_ms / 1e9  # TB/s, read + write
