@@ -235,6 +235,23 @@ struct Stager {
   }
 };
 
+// The ring of kStages stage slots the kernels stage their chunks into: chunk it in `slot`, the
+// next kStages - 2 on their way, each thread's copies of a chunk one cp.async group (committed by
+// commit_copies even where it is empty, past the last chunk, so that the count in flight holds).
+struct StageRing {
+  int slot = 0;  // chunk it's
+  // Chunk it in shared memory for every thread, and seen by wgmma with the state copy each thread
+  // wrote; after this, the slot of chunk it - 1 (refill) is free for chunk it + kStages - 1.
+  __device__ __forceinline__ void arrive() const {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    fence_shared_writes();
+    __syncthreads();
+  }
+  __device__ __forceinline__ int refill() const { return slot == 0 ? kStages - 1 : slot - 1; }
+  __device__ __forceinline__ void advance() { slot = slot + 1 == kStages ? 0 : slot + 1; }
+  __device__ __forceinline__ static void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+};
+
 // The state's 16-bit copy, read by the products that multiply by the state, in the staged layout
 // (state row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes). bfloat16:
 // hi = bf16(S) at `at`, lo = bf16(S - hi) one tile after. float16 (one part, rounding 8x finer)
@@ -447,7 +464,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
       stage.operator()<false>(tile_of(slot, 1), b_src, ops.b_rows().ptr, n);
       stage.operator()<false>(tile_of(slot, 2), c_src, ops.c_rows().ptr, n);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    StageRing::commit_copies();
   };
 
   // The state: row e = 16 warp + g (+8), column m = 8 j + 2 q4 (+1) in state[4 j ..]; from the
@@ -459,13 +476,11 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  int slot = 0;  // chunk it's stage slot
-  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");  // chunk it is staged
-    fence_shared_writes();  // its tiles and the state copy, written by this thread, seen by wgmma
-    __syncthreads();        // ... and by every thread's; the slot chunk it + kStages - 1 fills is free
-    const int next_slot = slot == 0 ? kStages - 1 : slot - 1;  // chunk it - 1's
-    const uint32_t at = tile_of(slot, 0), bt = tile_of(slot, 1), ct = tile_of(slot, 2);
+  StageRing ring;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.arrive();
+    const int next_slot = ring.refill();
+    const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, 1), ct = tile_of(ring.slot, 2);
     if (state_only) {
       fence();
 #pragma unroll
@@ -551,7 +566,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
       if (!state_only) stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
     }
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    StageRing::commit_copies();
   };
 
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
@@ -562,13 +577,12 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
 
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  int slot = 0;
-  for (int64_t it = 0; it < chunks; ++it, slot = slot + 1 == kStages ? 0 : slot + 1) {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
-    fence_shared_writes();
-    __syncthreads();
-    const int next_slot = slot == 0 ? kStages - 1 : slot - 1;
-    const uint32_t qt = tile_of(slot, 0), kt = tile_of(slot, 1), vt = tile_of(slot, 2), dt = tile_of(slot, 3);
+  StageRing ring;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.arrive();
+    const int next_slot = ring.refill();
+    const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
+                   dt = tile_of(ring.slot, 3);
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
     if (state_only) {
