@@ -98,12 +98,13 @@ if has tests; then
 fi
 
 if has sanitize; then
-  # sanitize NAME PYTEST_K: memcheck and racecheck of the tests test_correctness.py's -k selects
-  # SANITIZE_SUBSETS="forward_segments ..." runs only the subsets named (default: all seven)
+  # sanitize NAME PYTEST_K [FILE]: memcheck and racecheck of the tests FILE's -k selects
+  # (tests/test_correctness.py by default); SANITIZE_SUBSETS="forward_segments ..." runs only the
+  # subsets named (default: all)
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-      compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest tests/test_correctness.py -q -k "$2" \
+      compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest "${3:-tests/test_correctness.py}" -q -k "$2" \
         -p no:cacheprovider >"$OUT/sanitize_$1_$tool.log" 2>&1
       rc=$?
       echo "compute-sanitizer $tool, $1: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$1_$tool.log") reports; $(tail -1 "$OUT/sanitize_$1_$tool.log")"
@@ -112,8 +113,10 @@ if has sanitize; then
   }
   # bfloat16's two-part state copy at DA = 128 (one chunk buffer, two blocks a multiprocessor)
   sanitize bf16_parts "test_bfloat16_holds_the_issue_accuracy and B1H2L2048E128M128"
-  # the wgmma kernel (9.0a builds), forced: partial chunks, 16-bit rows at any alignment
-  sanitize wgmma "cuda-wgmma and (test_matches_reference and (B2H3L65E16M16 or B2H3L63E16M16) and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
+  # the wgmma kernels (the default's on 9.0a builds): partial chunks, 16-bit rows at any alignment
+  sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
+  # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
+  sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, two in float32)
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"

@@ -11,16 +11,15 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # (device, CUDA kernel family): the default dispatch on each device (tensor cores where they were
 # measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
 # (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the whole grid (a family takes only the
-# shapes and dtypes it can run; the rest go the default way). "wgmma" takes Hopper's wgmma kernel
-# wherever it can run (FAST_CAUSAL_ATTN_WGMMA=1; by default it takes only calls of 64 (batch, head)
-# pairs or more, which the grid's small shapes are not; wgmma_product.cuh).
+# shapes and dtypes it can run; the rest go the default way). Hopper's wgmma kernels are the
+# default's wherever they can run (wgmma_product.cuh's wgmma_takes), so "cuda" meets them on
+# sm_90a builds, and "cuda-tensorcore" meets the mma.sync kernels that they replace there.
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),
     pytest.param("cuda", None, id="cuda", marks=CUDA),
     pytest.param("cuda", "recurrent", id="cuda-recurrent", marks=CUDA),
     pytest.param("cuda", "chunked", id="cuda-chunked", marks=CUDA),
     pytest.param("cuda", "tensorcore", id="cuda-tensorcore", marks=CUDA),
-    pytest.param("cuda", "wgmma", id="cuda-wgmma", marks=[CUDA, SM90]),
 ]
 
 # The same for calls with states or cu_seqlens, which the CUDA chunked families take (tensor cores
@@ -38,9 +37,7 @@ def use_kernel(monkeypatch):
     """use_kernel(family) forces a CUDA kernel family for the rest of the test (None: default)."""
 
     def use(family):
-        if family == "wgmma":
-            monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
-        elif family is not None:
+        if family is not None:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_KERNEL", family)
 
     return use

@@ -1,10 +1,11 @@
 """The wgmma kernels (csrc/cuda/wgmma_product.cuh: the forward, dq, and dk with dv in one pass;
-bfloat16 and float16, E and M up to 64, no normalize, no states in or out; on devices of compute
+bfloat16 and float16, E and M up to 128, no normalize, no states in or out; on devices of compute
 capability 9.0 when the build's arch list holds 9.0a) against float64 and beside the mma.sync
-kernels. Elsewhere these calls take the other kernels and the tests still check the results. The
-tests that the kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
-says the build should have them (benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a).
-The rest of the suite meets them through conftest's "wgmma" entry (FAST_CAUSAL_ATTN_WGMMA=1)."""
+kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere these calls take the other kernels and the tests
+still check the results. The tests that the kernels are taken where the dispatcher says run where
+FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build should have them (benchmarks/gpu_check.sh sets it
+with TORCH_CUDA_ARCH_LIST=9.0a). The rest of the suite meets them through conftest's default "cuda"
+entry."""
 import os
 
 import pytest
@@ -37,24 +38,59 @@ def wgmma_passes(names):
 @SM90
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_training_step_takes_the_wgmma_kernels_from_64_pairs(dtype, monkeypatch):
-    """From 64 (batch, head) pairs on (one for each multiprocessor, two for each) the forward and dq
-    run on the wgmma kernel (Pass 0 and 1) and dk with dv on its fused reverse pass, with no
-    mma.sync kernel; with a few pairs everything stays on mma.sync unless FAST_CAUSAL_ATTN_WGMMA=1
-    forces wgmma; FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
+def test_training_step_takes_the_wgmma_kernels(dtype, monkeypatch):
+    """At any count of (batch, head) pairs (a few, one for each multiprocessor, two for each) the
+    forward and dq run on the wgmma kernel (Pass 0 and 1) and dk with dv on its fused reverse pass,
+    with no mma.sync kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for B, H in ((4, 16), (1, sms), (2, sms)):
+    for B, H in ((1, 1), (2, 3), (4, 16), (1, sms), (2, sms)):
         names = training_step_kernels(B, H, dtype)
         assert wgmma_passes(names) == {"0", "1"}, (B, H, names)
         assert any("wgmma_grad_kv_kernel" in n for n in names), (B, H, names)
         assert not any("tensorcore_product_kernel" in n for n in names), (B, H, names)
-    assert not any("wgmma" in n for n in training_step_kernels(2, 3, dtype))
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
-    names = training_step_kernels(2, 3, dtype)
-    assert wgmma_passes(names) == {"0", "1"} and any("wgmma_grad_kv_kernel" in n for n in names), names
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
-    names = training_step_kernels(1, sms, dtype)
-    assert not any("wgmma" in n for n in names), names
+    for B, H in ((2, 3), (1, sms)):
+        names = training_step_kernels(B, H, dtype)
+        assert not any("wgmma" in n for n in names), names
+        assert any("tensorcore_product_kernel" in n for n in names), names
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("groups", ["2", "1"], ids=["two-warpgroups", "column-tiles"])
+def test_head_dim_128_takes_two_atoms(groups, dtype, monkeypatch):
+    """E = M = 128: the forward and dq on the wgmma kernel with A and B in two atoms
+    and M on two warpgroups (its template arguments 2, 2), or in column tiles of 64 on one
+    (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: 2, 1); dk and dv on the wide reverse kernel (the state on
+    two warpgroups), no mma.sync kernel; and the results within the dtype's bound of float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", groups)
+    q, k, v = (x.requires_grad_() for x in make_inputs(4, 16, 200, 128, 128, dtype=dtype, device="cuda"))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_dot_product(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    taken = [n for n in names if "wgmma_product_kernel" in n and f", 2, {groups}>(" in n]
+    assert wgmma_passes(taken) == {"0", "1"}, names
+    assert any("wgmma_grad_kv_wide_kernel" in n for n in names), names
+    assert not any("tensorcore_product_kernel" in n for n in names), names
+    check_against_reference(q.detach(), k.detach(), v.detach(), scale=1.0, normalize=False, layout="bhld")
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (1, 3, 200, 24, 128), (2, 1, 130, 40, 72)], ids=shape_id)
+def test_16_bit_column_tiles(shape, segments, dtype, monkeypatch):
+    """M above 64 in column tiles of 64, one warpgroup each (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1; two
+    warpgroups a block is the default, which test_16_bit_plain meets): the forward and the three
+    gradients within the dtype's bound of float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda")
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
 
 
 @CUDA
@@ -101,13 +137,15 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 @pytest.mark.parametrize("segments", ["1", "3", "8"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8)],
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8),
+                                   (1, 2, 300, 128, 128), (2, 1, 150, 96, 40), (1, 3, 200, 24, 128)],
                          ids=shape_id)
 def test_16_bit_plain(shape, layout, segments, wgmma, dtype, monkeypatch):
     """The forward and the three gradients in 1, 3 or 8 time segments (the state-only launch, the
     scan, the dq pass from the forward's starts, dk and dv from the later segments' sums), whole
-    and partial last chunks, E != M, both layouts, two scales: each within the dtype's bound of
-    float64, on the wgmma kernels and on mma.sync."""
+    and partial last chunks, E != M, E or M above 64 (the forward and dq in two atoms, on two
+    warpgroups; dk and dv on the wide reverse kernel), both layouts, two scales: each within the
+    dtype's bound of float64, on the wgmma kernels and on mma.sync."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
@@ -119,9 +157,10 @@ def test_16_bit_plain(shape, layout, segments, wgmma, dtype, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
-def test_16_bit_plain_unaligned_rows(wgmma, dtype, monkeypatch):
+@pytest.mark.parametrize("width", [64, 128])
+def test_16_bit_plain_unaligned_rows(width, wgmma, dtype, monkeypatch):
     """Rows that do not start at 16-byte boundaries (a view one element in) are copied element by
-    element: the same results."""
+    element: the same results, E = M = 64 and 128 (two atoms; dk and dv on the wide kernel)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
-    q, k, v = (torch.randn(2, 3, 200, 65, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
+    q, k, v = (torch.randn(2, 3, 200, width + 1, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")

@@ -153,9 +153,10 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 
 // The gradients of k and v in one pass, where both would run in the same family, without states
 // in or out or packed sequences (those keep the two passes):
-//  - Hopper's wgmma, 16-bit, E, M <= 64, where wgmma_takes (wgmma_grad_kv_kernel: the state
-//    dO^T q feeds both gradients; bf16 8,16,2048,64 kernel 79 us against the fused mma.sync
-//    pass's 110; RESULTS.md, seventeenth session);
+//  - Hopper's wgmma, 16-bit, E, M <= 128, where wgmma_takes (wgmma_grad_kv_kernel, and above 64
+//    wgmma_grad_kv_wide_kernel: the state dO^T q feeds both gradients; bf16 8,16,2048,64 kernel
+//    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync
+//    passes' 326; RESULTS.md, seventeenth and eighteenth sessions);
 //  - tensor cores, E, M <= 64 (Pass::GradKV, see tensorcore_product.cuh): faster than the two
 //    passes at every shape it takes (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368
 //    / 0.438, 4,16,8192,64 0.594 / 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 /

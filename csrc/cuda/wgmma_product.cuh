@@ -1,6 +1,6 @@
 // The chunked product on Hopper's warpgroup MMA (wgmma, sm_90a): bfloat16 and float16, the
-// state's rows and columns up to 64, without normalize. Per chunk of C = 64 timesteps (tensorcore_product.cuh's
-// products, one warpgroup a block):
+// state's rows and columns up to 128, without normalize. Per chunk of C = 64 timesteps
+// (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
@@ -11,16 +11,18 @@
 // element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
 // rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
 // Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
-// The state S (64 x 64 float32) lives in the warpgroup's accumulators; its copy for A S is kept
+// The state S (64 x 64 float32; above 64, row blocks and column halves on two warpgroups) lives
+// in the warpgroups' accumulators; its copy for A S is kept
 // as the mma.sync kernel keeps it: two bfloat16 parts (S = hi + lo), or one float16 part scaled
 // by a power of two where S passes float16's range.
 //
 // What runs around the chunk loop is the tensor-core family's: chunked::BlockWork (pairs,
 // segments, state-only blocks, packed sequences), Operands (each pass's rows and strides),
 // SegmentStart / SegmentEnd and, on the host, SegmentWorkspace and launch_segmented. The kernels
-// run the forward and dq (the passes in the forward direction), and dk with dv in one reverse
-// pass (wgmma_grad_kv_kernel), one block a (sequence, head, time segment), where wgmma_takes
-// says; states in or out and normalize stay with the mma.sync kernels.
+// run the forward and dq (the passes in the forward direction; wgmma_product_kernel), and dk with
+// dv in one reverse pass (wgmma_grad_kv_kernel, wgmma_grad_kv_wide_kernel above 64), one block a
+// (sequence, head, time segment), where wgmma_takes says; states in or out and normalize stay
+// with the mma.sync kernels.
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
@@ -53,9 +55,14 @@ constexpr int kTile = C * 64 * 2;  // bytes of a 64 x 64 bfloat16 tile (1024-byt
 constexpr int kStages = 3;         // chunks staged (two on their way; a fourth measured no faster)
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
-// kStages x {A, B, Cc} tiles ({q, k, v, dO} for dk and dv), the state copy's two parts (bfloat16;
-// float16 uses one), the outputs' staging rows, each warp's largest |S| (float16's copy scale)
-constexpr size_t smem_bytes(int tiles) { return size_t(kStages * tiles + 2) * kTile + kStagingBytes + 4 * sizeof(float); }
+// `stages` x slot_tiles tiles ({A, B, each group's Cc}: 2 kAtoms + kGroups; {q, k, v, dO} for dk
+// and dv, kAtoms each), the state copies (two parts, bfloat16; float16 uses one) in copy_tiles, and
+// for each of `groups` warpgroups its outputs' staging rows and its warps' largest |S| (float16's
+// copy scale)
+__host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles = 2, int groups = 1,
+                                                int stages = kStages) {
+  return size_t(stages * slot_tiles + copy_tiles) * kTile + groups * (kStagingBytes + 4 * sizeof(float));
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
@@ -154,6 +161,10 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   }
 }
 
+// This thread's warp within its warpgroup (a block runs one warpgroup or two, each its own
+// products: the accumulators' rows follow the warp's rank in the warpgroup).
+__device__ __forceinline__ int group_warp() { return int(threadIdx.x % kThreads) / kWarp; }
+
 // A 16-byte copy that does not wait (cp.async); zeros when !valid.
 __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
@@ -166,12 +177,14 @@ namespace wgmma {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // One operand's rows as this thread copies them (Stager): row row0 of the next chunk to stage,
-// column col (column 0 where col is past the operand's width: the copies are zeros then), and
-// the step of 16 rows between this thread's pieces.
+// column col of its 64-column atom (column 0 where col is past the operand's width: the copies are
+// zeros then), the step of 16 rows between this thread's pieces, and for a second atom (operands
+// 65-128 wide) the distance to its column col + 64.
 struct Source {
   const uint16_t* next;
   int64_t piece_step;
-  bool inside;
+  bool inside, inside_hi;
+  int hi_step;
 };
 
 // This thread's 16-byte pieces of a staged tile: rows row0 + 16 i (i < 4) of one column group.
@@ -195,113 +208,137 @@ struct Stager {
       : row0(4 * (tid / kWarp) + (tid % kWarp) / 8), col(8 * (tid % 8)), vectors(vectors_) {
     piece0 = uint32_t(row0 * 128 + ((col / 8) ^ (row0 % 8)) * 16);
   }
-  // x's rows (x: a pointer and a row stride) from row `first` on, `width` columns.
+  // x's rows (x: a pointer and a row stride) from row `first` on, columns col0 on (a column
+  // tile's first), the operand `width` columns wide in all.
   template <typename Rows>
-  __device__ Source source(const Rows& x, int64_t first, int64_t width) const {
-    const bool inside = col < width;
-    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + (first + row0) * x.stride + (inside ? col : 0),
-                  16 * x.stride, inside};
+  __device__ Source source(const Rows& x, int64_t first, int64_t width, int64_t col0 = 0) const {
+    const bool inside = col0 + col < width, inside_hi = col0 + col + 64 < width;
+    const int lo = inside ? col : 0, hi = inside_hi ? col + 64 : 0;
+    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + (first + row0) * x.stride + col0 + lo, 16 * x.stride,
+                  inside, inside_hi, hi - lo};
   }
-  // The chunk of n rows at src.next into `tile` as cp.async copies (element by element where rows
-  // are not vectors), zeros past n; `any`: a valid address of the operand (the zero copies' source).
-  // Then src steps to the next chunk: C rows on, or back (kBack).
-  template <bool kBack>
+  // The chunk of n rows at src.next into `tile` (kAtoms 64-column atoms, kTile bytes apart) as
+  // cp.async copies (element by element where rows are not vectors), zeros past n; `any`: a valid
+  // address of the operand (the zero copies' source). Then src steps to the next chunk: C rows
+  // on, or back (kBack).
+  template <bool kBack, int kAtoms = 1>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const void* any, int n) const {
-    const uint32_t at = tile + piece0;
-    if (vectors && n == C) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) copy_16(at + 2048 * i, src.next + i * src.piece_step, src.inside);
-    } else if (vectors) {  // a partial chunk: the sequence's last
+    for (int a = 0; a < kAtoms; ++a) {
+      const uint32_t at = tile + a * kTile + piece0;
+      const uint16_t* from0 = src.next + (a == 0 ? 0 : src.hi_step);
+      const bool inside = a == 0 ? src.inside : src.inside_hi;
+      if (vectors && n == C) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const bool valid = src.inside && row0 + 16 * i < n;
-        copy_16(at + 2048 * i, valid ? static_cast<const void*>(src.next + i * src.piece_step) : any, valid);
-      }
-    } else {
+        for (int i = 0; i < 4; ++i) copy_16(at + 2048 * i, from0 + i * src.piece_step, inside);
+      } else if (vectors) {  // a partial chunk: the sequence's last
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t words[4] = {0, 0, 0, 0};
-        if (src.inside && row0 + 16 * i < n) {
-          const uint16_t* from = src.next + i * src.piece_step;
-#pragma unroll
-          for (int w = 0; w < 4; ++w) words[w] = uint32_t(from[2 * w]) | (uint32_t(from[2 * w + 1]) << 16);
+        for (int i = 0; i < 4; ++i) {
+          const bool valid = inside && row0 + 16 * i < n;
+          copy_16(at + 2048 * i, valid ? static_cast<const void*>(from0 + i * src.piece_step) : any, valid);
         }
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + 2048 * i), "r"(words[0]),
-                     "r"(words[1]), "r"(words[2]), "r"(words[3])
-                     : "memory");
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          uint32_t words[4] = {0, 0, 0, 0};
+          if (inside && row0 + 16 * i < n) {
+            const uint16_t* from = from0 + i * src.piece_step;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) words[w] = uint32_t(from[2 * w]) | (uint32_t(from[2 * w + 1]) << 16);
+          }
+          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + 2048 * i), "r"(words[0]),
+                       "r"(words[1]), "r"(words[2]), "r"(words[3])
+                       : "memory");
+        }
       }
     }
     src.next += kBack ? -4 * src.piece_step : 4 * src.piece_step;
   }
 };
 
-// The ring of kStages stage slots the kernels stage their chunks into: chunk it in `slot`, the
-// next kStages - 2 on their way, each thread's copies of a chunk one cp.async group (committed by
+// The ring of kDepth stage slots the kernels stage their chunks into: chunk it in `slot`, the
+// next kDepth - 2 on their way, each thread's copies of a chunk one cp.async group (committed by
 // commit_copies even where it is empty, past the last chunk, so that the count in flight holds).
+// With kDepth = 2 the next chunk's copies run behind this chunk's products only.
+template <int kDepth = kStages>
 struct StageRing {
   int slot = 0;  // chunk it's
   // Chunk it in shared memory for every thread, and seen by wgmma with the state copy each thread
-  // wrote; after this, the slot of chunk it - 1 (refill) is free for chunk it + kStages - 1.
+  // wrote; after this, the slot of chunk it - 1 (refill) is free for chunk it + kDepth - 1.
   __device__ __forceinline__ void arrive() const {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");
     fence_shared_writes();
     __syncthreads();
   }
-  __device__ __forceinline__ int refill() const { return slot == 0 ? kStages - 1 : slot - 1; }
-  __device__ __forceinline__ void advance() { slot = slot + 1 == kStages ? 0 : slot + 1; }
+  __device__ __forceinline__ int refill() const { return slot == 0 ? kDepth - 1 : slot - 1; }
+  __device__ __forceinline__ void advance() { slot = slot + 1 == kDepth ? 0 : slot + 1; }
   __device__ __forceinline__ static void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 };
 
 // The state's 16-bit copy, read by the products that multiply by the state, in the staged layout
-// (state row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes). bfloat16:
-// hi = bf16(S) at `at`, lo = bf16(S - hi) one tile after. float16 (one part, rounding 8x finer)
+// (state row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes; kAtoms x 64 rows,
+// the state's in row blocks of 64, state[a] rows 64 a on). bfloat16: hi = bf16(S) at `at`,
+// lo = bf16(S - hi) kPart bytes after. float16 (one part, rounding 8x finer)
 // holds S 2^-shift, shift chosen each chunk from the block's largest |S| so that the copy stays
 // below 2^14 (float16 ends at 65504; a state can pass that long before any output does), and the
 // products with the copy are multiplied back by scale = 2^shift (scale_back): the mma.sync
 // kernel's scaled copy. The largest |S| is posted by each warp (post_max) before the barrier that
-// precedes publish.
-template <bool kHalf>
+// precedes publish; the scale is the largest over kWarps warps: one warpgroup's (a copy that its
+// own products read), or a block's two (one state in two copies, the products reading both).
+template <bool kHalf, int kAtoms = 1, int kWarps = 4>
 struct StateCopy {
+  static constexpr uint32_t kPart = kAtoms * kTile;
+  using State = float[kAtoms][32];
   uint32_t at;
-  float* warp_max;  // [4], shared
+  float* warp_max;  // [kWarps], shared
   float scale = 1.f;
 
-  __device__ void post_max(const float (&state)[32]) const {
+  // A state of one row block as State (kAtoms = 1).
+  __device__ static const State& rows(const float (&state)[32]) { return reinterpret_cast<const State&>(state); }
+
+  __device__ void post_max(const State& state) const {
     float largest = 0.f;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) largest = fmaxf(largest, fabsf(state[i]));
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) largest = fmaxf(largest, fabsf(state[a][i]));
 #pragma unroll
     for (int offset = kWarp / 2; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-    if (threadIdx.x % kWarp == 0) warp_max[threadIdx.x / kWarp] = largest;
+    if (threadIdx.x % kWarp == 0) warp_max[int(threadIdx.x / kWarp) % kWarps] = largest;
   }
-  __device__ void publish(const float (&state)[32]) {
-    const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  __device__ void publish(const State& state) {
+    const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
     float inverse = 1.f;
     if constexpr (kHalf) {
-      const float largest = fmaxf(fmaxf(warp_max[0], warp_max[1]), fmaxf(warp_max[2], warp_max[3]));
+      float largest = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) largest = fmaxf(largest, warp_max[w]);
       int shift = 0;
       if (largest > 16384.f && largest <= FLT_MAX) frexpf(largest / 16384.f, &shift);  // largest 2^-shift <= 2^14
       scale = ldexpf(1.f, shift);
       inverse = 1.f / scale;  // a power of two: exact
     }
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int a = 0; a < kAtoms; ++a)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int e = 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
-        const uint32_t word = at + e * 128 + ((m / 8) ^ (e % 8)) * 16 + (m % 8) * 2;
-        const float x = state[4 * j + 2 * h] * inverse, y = state[4 * j + 2 * h + 1] * inverse;
-        const uint32_t hi = pack<kHalf>(x, y);
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word), "r"(hi) : "memory");
-        if constexpr (!kHalf) {
-          const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word + kTile), "r"(pack<kHalf>(x - x_hi, y - y_hi)) : "memory");
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int e = 64 * a + 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
+          const uint32_t word = at + e * 128 + ((m / 8) ^ (e % 8)) * 16 + (m % 8) * 2;
+          const float x = state[a][4 * j + 2 * h] * inverse, y = state[a][4 * j + 2 * h + 1] * inverse;
+          const uint32_t hi = pack<kHalf>(x, y);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word), "r"(hi) : "memory");
+          if constexpr (!kHalf) {
+            const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word + kPart), "r"(pack<kHalf>(x - x_hi, y - y_hi))
+                         : "memory");
+          }
         }
-      }
   }
   // The first chunk's copy (a barrier before its first reader): float16's scale from the state
   // itself, which a segment's start makes anything.
-  __device__ void publish_first(const float (&state)[32]) {
+  __device__ void publish_first(const State& state) {
     if constexpr (kHalf) {
       post_max(state);
       __syncthreads();
@@ -321,51 +358,71 @@ struct StateCopy {
 
 // A segment's start (SegmentStart: the scanned sums of the segments before it, in time order)
 // into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
-// own sums out (SegmentEnd, state-only blocks). Accumulator layout: row 16 warp + g (+8), column
-// 8 j + 2 q4 (+1) in d[4 j ..]; rows below Da, columns below Dc.
+// own sums out (SegmentEnd, state-only blocks). Accumulator layout: row row0 + 16 warp + g (+8),
+// column col0 + 8 j + 2 q4 (+1) in d[4 j ..] (row0: the row block's first, col0: the column
+// tile's); rows below Da, columns below Dc.
 __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
-                                           int64_t Da, int64_t Dc, bool zero) {
+                                           int64_t Da, int64_t Dc, bool zero, int64_t row0 = 0, int64_t col0 = 0) {
   const SegmentStart<float> start(p, pair, segment, Da, Dc);
-  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
       d[4 * j + e] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
     }
 }
-__device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc) {
+__device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
+                                          int64_t col0 = 0) {
   if (to == nullptr) return;
-  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
       if (row < Da && column < Dc) to[row * Dc + column] = d[4 * j + e];
     }
 }
 
-// d = A B^T over a chunk (the scores), both staged tiles K-major along their columns.
-template <bool kHalf>
+// A staged tile of kAtoms 64-column atoms (kTile bytes apart), K along its columns: k16 step s.
+template <int kAtoms>
+__device__ __forceinline__ uint64_t k_along_atoms(uint32_t tile, int s) {
+  return k_along_columns(tile + (s / 4) * kTile, s % 4);
+}
+
+// d = A B^T over a chunk (the scores), both staged tiles (kAtoms atoms) K-major along their columns.
+template <bool kHalf, int kAtoms = 1>
 __device__ __forceinline__ void scores_of(float (&d)[32], uint32_t a_tile, uint32_t b_tile) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 0>(d, k_along_columns(a_tile, s), k_along_columns(b_tile, s), s > 0);
+  for (int s = 0; s < 4 * kAtoms; ++s) {
+    mma_ss<kHalf, 0, 0>(d, k_along_atoms<kAtoms>(a_tile, s), k_along_atoms<kAtoms>(b_tile, s), s > 0);
+  }
 }
 
 // d = A (a staged tile, K-major) times the state's copy at `copy`: the copy as it is (kTransB = 1,
-// MN-major: A S) or transposed (kTransB = 0, K-major: A S^T). bfloat16 multiplies both parts, the
-// remainder first (the small terms first), then the head.
-template <bool kHalf, int kTransB>
-__device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy) {
-  auto b = [](uint32_t tile, int s) { return kTransB ? k_along_rows(tile, s) : k_along_columns(tile, s); };
+// MN-major: A S) or transposed (kTransB = 0, K-major: A S^T). bfloat16 multiplies both parts
+// (kPart bytes apart), the remainder first (the small terms first), then the head. kAtoms: A's
+// atoms, K = 64 kAtoms: the copy's row blocks (the rows continue 128 bytes apart, so K along its
+// rows steps on as in one atom), or, transposed, its column atoms, next_atom bytes apart (the
+// copies of the state's two column halves).
+template <bool kHalf, int kTransB, int kAtoms = 1>
+__device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy, uint32_t next_atom = 0) {
+  constexpr uint32_t kPart = StateCopy<kHalf, kAtoms>::kPart;
+  auto b = [next_atom](uint32_t tile, int s) {
+    return kTransB ? k_along_rows(tile, s) : k_along_columns(tile + (s / 4) * next_atom, s % 4);
+  };
   if constexpr (!kHalf) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, kTransB>(d, k_along_columns(a_tile, s), b(copy + kTile, s), s > 0);
+    for (int s = 0; s < 4 * kAtoms; ++s) {
+      mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(copy + kPart, s), s > 0);
+    }
   }
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, kTransB>(d, k_along_columns(a_tile, s), b(copy, s), !kHalf || s > 0);
+  for (int s = 0; s < 4 * kAtoms; ++s) {
+    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(copy, s), !kHalf || s > 0);
+  }
 }
 
 // d += mask(score) X (X a staged tile, MN-major: K along its rows), in one committed group. The
@@ -373,7 +430,7 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 // fragments, each warp its 16 rows.
 template <bool kHalf, bool kReverse>
 __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
-  const int warp = threadIdx.x / kWarp, g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
   auto kept = [&](int j, int e) {
     const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
     return kReverse ? column >= row : column <= row;
@@ -398,7 +455,7 @@ __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&s
 template <bool kHalf, typename scalar_t>
 __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor, uint16_t* staging, scalar_t* out,
                                            int64_t out_l, int n, int64_t width, bool vectors) {
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
+  const int warp = group_warp(), lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
   __syncwarp();  // the warp's reads of its rows' previous contents are done
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -429,62 +486,90 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 
 }  // namespace wgmma
 
-// The forward and dq (wgmma_takes): one block a (sequence, head, time segment), from the segment's
-// start (SegmentStart); state-only blocks (launch_segmented's first launch) sum their segment's
-// B^T Cc alone.
-template <Pass P, typename scalar_t>
-__global__ void __launch_bounds__(wgmma::kThreads, 1)
+// The forward and dq (wgmma_takes): one block a (sequence, head, column tile, time segment), from
+// the segment's start (SegmentStart); state-only blocks (launch_segmented's first launch) sum
+// their segment's B^T Cc alone. kAtoms: A and B are 64 kAtoms columns wide (Da up to 64 or 128),
+// staged as kAtoms atoms, and the state's Da rows are kAtoms row blocks (state[a], each the
+// accumulator of one m64 wgmma). kGroups: warpgroups a block, each its own 64 columns of Cc, the
+// state and the outputs (the column tile is 64 kGroups wide), all of them on the block's one
+// staging of A and B: with two, A and B are read once for Dc up to 128 (the first warpgroup
+// stages A, the second B, each its own Cc), where column tiles of 64 read them once a tile.
+template <Pass P, typename scalar_t, int kAtoms, int kGroups>
+__global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
   static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
+  static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
+  constexpr int kSlot = 2 * kAtoms + kGroups;  // tiles a stage slot: A, B (kAtoms each), each group's Cc
+  // in tiles: the state copies (two parts of kAtoms tiles, a group), then each group's staging rows
+  constexpr int kCopyAt = kStages * kSlot, kStagingAt = kCopyAt + 2 * kAtoms * kGroups;
+  static_assert(smem_bytes(kSlot, 2 * kAtoms * kGroups, kGroups) <= 227 * 1024, "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
-  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 3 + 2) * kTile);
-  StateCopy<kHalf> copy{base + kStages * 3 * kTile,
-                        reinterpret_cast<float*>(wgmma_smem + (kStages * 3 + 2) * kTile + kStagingBytes)};
+  const int group = kGroups == 1 ? 0 : int(threadIdx.x / kThreads);
+  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + kStagingAt * kTile + group * kStagingBytes);
+  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingAt * kTile + kGroups * kStagingBytes);
+  StateCopy<kHalf, kAtoms> copy{base + (kCopyAt + 2 * kAtoms * group) * kTile, warp_max + 4 * group};
 
-  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C, Dc);
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kGroups, Dc);
   const Operands<P, scalar_t, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
-  const Stager stage(threadIdx.x, p.rows_are_vectors);
-  Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da), b_src = stage.source(ops.b_rows(), work.seg_begin, Da),
-         c_src = stage.source(ops.c_rows(), work.seg_begin, Dc);
-  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 3 + which) * kTile; };
+  const int64_t m0 = work.m0 + C * group;   // this group's first column of Cc, the state and the outputs
+  const int cols = int(Dc - m0 < C ? Dc - m0 : C);
+  const Stager stage(int(threadIdx.x % kThreads), p.rows_are_vectors);
+  // kGroups == 1: A from first, B from second; kGroups == 2: group 0 A, group 1 B, from first.
+  const bool stages_b_first = kGroups == 2 && group == 1;
+  Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), work.seg_begin, Da);
+  Source second = stage.source(ops.b_rows(), work.seg_begin, kGroups == 1 ? Da : 0);
+  Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, m0);
+  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
   // it = 0, 1, 2, ... in order (the sources step a chunk each call).
   auto issue = [&](int64_t it, int slot) {
     if (it < chunks) {
       const int n = work.chunk_len(work.seg_begin + it * C, C);
-      if (!state_only) stage.operator()<false>(tile_of(slot, 0), a_src, ops.a_rows().ptr, n);
-      stage.operator()<false>(tile_of(slot, 1), b_src, ops.b_rows().ptr, n);
-      stage.operator()<false>(tile_of(slot, 2), c_src, ops.c_rows().ptr, n);
+      if (stages_b_first) {
+        stage.operator()<false, kAtoms>(tile_of(slot, kAtoms), first, ops.b_rows().ptr, n);
+      } else if (!state_only) {
+        stage.operator()<false, kAtoms>(tile_of(slot, 0), first, ops.a_rows().ptr, n);
+      }
+      if constexpr (kGroups == 1) stage.operator()<false, kAtoms>(tile_of(slot, kAtoms), second, ops.b_rows().ptr, n);
+      stage.operator()<false>(tile_of(slot, 2 * kAtoms + group), c_src, ops.c_rows().ptr, n);
     }
-    StageRing::commit_copies();
+    StageRing<>::commit_copies();
+  };
+  // S += B^T Cc: row block a of S from B's atom a (MN-major along its columns, K along its rows).
+  auto update_state = [&](float (&state)[kAtoms][32], uint32_t bt, uint32_t ct) {
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state[a], k_along_rows(bt + a * kTile, s), k_along_rows(ct, s));
   };
 
-  // The state: row e = 16 warp + g (+8), column m = 8 j + 2 q4 (+1) in state[4 j ..]; from the
-  // segment's start.
-  float state[32];
-  load_start(state, p, work.pair, work.segment, Da, Dc, state_only);
+  // The state: row e = 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in state[a][4 j ..];
+  // from the segment's start.
+  float state[kAtoms][32];
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a) load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, 64 * a, m0);
   if (!state_only) copy.publish_first(state);
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  StageRing ring;
+  StageRing<> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     ring.arrive();
     const int next_slot = ring.refill();
-    const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, 1), ct = tile_of(ring.slot, 2);
+    const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
+                   ct = tile_of(ring.slot, 2 * kAtoms + group);
     if (state_only) {
       fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state, k_along_rows(bt, s), k_along_rows(ct, s));  // S += B^T Cc
+      update_state(state, bt, ct);
       commit();
       issue(it + kStages - 1, next_slot);
       wait<0>();
@@ -493,12 +578,11 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
 
     float score[32], out[32];  // set by their first products (accumulate = false)
     fence();
-    scores_of<kHalf>(score, at, bt);  // A B^T
+    scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
     commit();
-    times_state_copy<kHalf, 1>(out, at, copy.at);  // A S
+    times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
     commit();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state, k_along_rows(bt, s), k_along_rows(ct, s));  // S += B^T Cc
+    update_state(state, bt, ct);
     commit();
     issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
     wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
@@ -508,13 +592,14 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     if constexpr (kHalf) copy.post_max(state);  // the state after this chunk; read after the barrier below
 
     const int64_t t0 = work.seg_begin + it * C;
-    store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, work.chunk_len(t0, C), Dc,
+    store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols,
                       stage.vectors);
     __syncthreads();     // every warp's wgmma has read the state copy
     copy.publish(state);  // S after this chunk, for the next
   }
-  store_end(state, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state,
-            Da, Dc);
+  float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state;
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a) store_end(state[a], end, Da, Dc, 64 * a, m0);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
@@ -566,18 +651,18 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
       if (!state_only) stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
     }
-    StageRing::commit_copies();
+    StageRing<>::commit_copies();
   };
 
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
   // (the sums of the segments after it).
   float d[32];
   load_start(d, p, work.pair, work.segment, M, E, state_only);
-  if (!state_only) copy.publish_first(d);
+  if (!state_only) copy.publish_first(copy.rows(d));
 
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  StageRing ring;
+  StageRing<> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     ring.arrive();
     const int next_slot = ring.refill();
@@ -622,12 +707,157 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     copy.scale_back(acc);
     add_masked_times<kHalf, true>(acc, score, qt);
     wait<0>();
-    if constexpr (kHalf) copy.post_max(d);
+    if constexpr (kHalf) copy.post_max(copy.rows(d));
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E, stage.vectors);
     __syncthreads();  // every warp's wgmma has read the state copy
-    copy.publish(d);
+    copy.publish(copy.rows(d));
   }
   store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
+#endif
+}
+
+// dk and dv as wgmma_grad_kv_kernel, for E or M in (64, 128]: D (M x E, both zero-padded to 128)
+// is split by its columns between two warpgroups (group g holds columns 64 g on, two row blocks of
+// M, and keeps their copy, rows m, columns e, in the staged layout), and the gradients by role:
+//
+//   group 0: dv = K D^T + mask(K Q^T) dO      group 1: dk = V D + mask(V dO^T) Q
+//
+// each 128 columns wide (two accumulators), both reading the two halves' copies: dk's V D takes
+// half h's copy MN-major (K = M along its rows), dv's K D^T K-major (K = E along the two halves'
+// columns). So the scale of float16's copy is the block's (StateCopy over its eight warps). Each
+// group adds dO^T Q for its own half. Four inputs of two atoms a chunk are 64 KB: two stage slots
+// (kDepth 2: the next chunk's copies run behind this chunk's products) and the copies take 208 KB.
+// Group 0 stages q and k, group 1 v and dO (state-only blocks: q, and dO).
+template <typename scalar_t>
+__global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
+    wgmma_grad_kv_wide_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace wgmma;
+  constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
+  static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
+  using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
+  constexpr int kDepth = 2, kSlot = 8;  // a slot: q, k, v, dO, two atoms each
+  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 8;  // two halves' copies, two parts of 2 tiles
+  static_assert(smem_bytes(kSlot, 8, 2, kDepth) <= 227 * 1024, "shared memory of one block");
+
+  extern __shared__ __align__(1024) unsigned char wgmma_smem[];
+  const uint32_t base = smem_address(wgmma_smem);
+  const int group = int(threadIdx.x / kThreads);
+  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + kStagingAt * kTile + group * kStagingBytes);
+  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingAt * kTile + 2 * kStagingBytes);
+  constexpr uint32_t kHalfCopy = 4 * kTile;  // from one half's copy to the other's
+  StateCopy<kHalf, 2, 8> copy{base + kCopyAt * kTile + group * kHalfCopy, warp_max};
+
+  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, 2 * C, Dc);
+  const Operands<Pass::GradKV, scalar_t, float> ops = work.operands(p);  // q, k, v, dO; out: dk
+  const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
+  const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
+  const bool state_only = work.state_only;
+  const Stager stage(int(threadIdx.x % kThreads), p.rows_are_vectors);
+  const int64_t last = work.seg_begin + (chunks > 0 ? chunks - 1 : 0) * C;  // the first chunk taken
+  const Rows first_rows = group == 0 ? Rows{ops.q, ops.q_l} : Rows{ops.dout, ops.dout_l};
+  const Rows second_rows = group == 0 ? Rows{ops.k, ops.k_l} : Rows{ops.v, ops.v_l};
+  Source first = stage.source(first_rows, last, group == 0 ? E : M);
+  Source second = stage.source(second_rows, last, group == 0 ? E : M);
+  // tiles of a slot: q 0-1, k 2-3, v 4-5, dO 6-7 (group 0 stages q and k, group 1 dO and v)
+  auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
+  auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
+  auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
+    if (it < chunks) {
+      const int n = work.chunk_len(chunk_begin(it), C);
+      stage.operator()<true, 2>(tile_of(slot, group == 0 ? 0 : 6), first, first_rows.ptr, n);
+      if (!state_only) stage.operator()<true, 2>(tile_of(slot, group == 0 ? 2 : 4), second, second_rows.ptr, n);
+    }
+    StageRing<kDepth>::commit_copies();
+  };
+  // D's columns 64 group on (two row blocks of M) += dO^T Q's
+  auto update_state = [&](float (&d)[2][32], uint32_t dt, uint32_t qt) {
+#pragma unroll
+    for (int a = 0; a < 2; ++a)
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        mma_ss<kHalf, 1, 1>(d[a], k_along_rows(dt + a * kTile, s), k_along_rows(qt + group * kTile, s));
+  };
+
+  // This group's half of D: row m = 64 a + 16 warp + g (+8), column e = 64 group + 8 j + 2 q4 (+1) in
+  // d[a][4 j ..]; from the segment's start (the sums of the segments after it).
+  float d[2][32];
+#pragma unroll
+  for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
+  if (!state_only) copy.publish_first(d);
+
+  const float factor = float(p.scale);
+  for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
+  StageRing<kDepth> ring;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.arrive();
+    const int next_slot = ring.refill();
+    const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 2), vt = tile_of(ring.slot, 4),
+                   dt = tile_of(ring.slot, 6);
+    const int64_t t0 = chunk_begin(it);
+    const int n = work.chunk_len(t0, C);
+    if (state_only) {
+      fence();
+      update_state(d, dt, qt);
+      commit();
+      issue(it + kDepth - 1, next_slot);
+      wait<0>();
+      continue;
+    }
+
+    // group 0: scores K Q^T, acc[h] = K D^T (dv's columns 64 h on), then += mask(scores) dO;
+    // group 1: scores V dO^T, acc[h] = V D (dk's columns 64 h on), then += mask(scores) Q. Each
+    // group's products, waits included, in a branch of their own (with the products of both in
+    // one body ptxas fenced the accumulators between them).
+    auto gradient = [&](auto role) {
+      constexpr bool kDv = decltype(role)::value == 0;
+      const uint32_t copies = base + kCopyAt * kTile;
+      float score[32], acc[2][32];
+      fence();
+      scores_of<kHalf, 2>(score, kDv ? kt : vt, kDv ? qt : dt);
+      commit();
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (kDv) {
+          times_state_copy<kHalf, 0, 2>(acc[h], kt, copies + h * kTile, kHalfCopy);  // rows 64 h on of both halves
+        } else {
+          times_state_copy<kHalf, 1, 2>(acc[h], vt, copies + h * kHalfCopy);
+        }
+      }
+      commit();
+      update_state(d, dt, qt);
+      commit();
+      issue(it + kDepth - 1, next_slot);
+      wait<1>();  // the scores and the state's products; D's update may still run
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        copy.scale_back(acc[h]);
+        add_masked_times<kHalf, true>(acc[h], score, (kDv ? dt : qt) + h * kTile);
+      }
+      wait<0>();
+      if constexpr (kHalf) copy.post_max(d);
+      scalar_t* out = kDv ? ops_v.out : ops.out;  // dv's or dk's
+      const int64_t out_l = kDv ? ops_v.out_l : ops.out_l, width = kDv ? M : E;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (64 * h < width) {
+          store_rows<kHalf>(acc[h], factor, staging, out + t0 * out_l + 64 * h, out_l, n, width - 64 * h, stage.vectors);
+        }
+      }
+    };
+    if (group == 0) {
+      gradient(std::integral_constant<int, 0>{});
+    } else {
+      gradient(std::integral_constant<int, 1>{});
+    }
+    __syncthreads();  // every warp's wgmma has read both copies
+    copy.publish(d);
+  }
+  float* end = SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state;
+#pragma unroll
+  for (int a = 0; a < 2; ++a) store_end(d[a], end, M, E, 64 * a, 64 * group);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
@@ -641,24 +871,22 @@ bool device_runs_sm90a();
 
 // Whether pass P runs on the wgmma kernel: built for sm_90a, a device of compute capability 9.0,
 // the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's Da = M,
-// Dc = E), bfloat16 or float16, Da and Dc up to 64 in whole 16-byte vectors, no normalize, no
-// states in or out, and at least kWgmmaMinPairs (sequence, head) pairs (packed sequences counted
-// as pairs). Where it runs it was the faster family at every shape measured (H200, bfloat16,
-// fwd / fwd+bwd ms, wgmma against mma.sync; RESULTS.md, seventeenth session), CUDA graph replay:
+// Dc = E), bfloat16 or float16, Da and Dc up to 128 in whole 16-byte vectors, no normalize, no
+// states in or out. Where it runs it was the faster family at every shape measured, from one
+// (sequence, head) pair to 512 (H200, bfloat16, fwd / fwd+bwd ms, CUDA graph replay, wgmma
+// against mma.sync; RESULTS.md, seventeenth and eighteenth sessions):
+//   1,1,8192,64 0.032 / 0.076 against 0.035 / 0.102;  1,4,8192,64 0.034 / 0.081 against 0.039 / 0.108
+//   2,4,8192,64 0.038 / 0.096 against 0.046 / 0.127;  1,16,8192,64 0.051 / 0.139 against 0.065 / 0.178
 //   4,16,8192,64 (64 pairs, time segments) 0.127 / 0.396 against 0.151 / 0.464
-//   6,16,2048,64 (96) 0.046 / 0.168 against 0.072 / 0.227;  4,32,2048,32 0.048 / 0.174 against 0.072 / 0.227
-//   8,16,2048,64 (128) 0.048 / 0.173 against 0.085 / 0.257
-//   16,16,2048,64 (256: two blocks a multiprocessor) 0.082 / 0.312 against 0.113 / 0.399
-// and do_bench medians: 32,16,1024,64 (512) 0.081 / 0.328 against 0.128 / 0.425; 8,16,2048,16
-// 0.046 / 0.199 against 0.069 / 0.290; 8,16,2048,64,32 0.048 / 0.174 against 0.078 / 0.248. With
-// 8 pairs (2,4,8192 and 1,8,2048) only do_bench was measured, where the host's time to issue a
-// call dominates: the forward faster (0.039 against 0.048), fwd+bwd slower (0.239 against 0.198);
-// fewer than 64 pairs keep mma.sync until their GPU time is measured. A function of the shapes
-// and the device alone (not of the rows' alignment), so that a plan (dry_run) and the run agree
-// on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the kernel off and =1 takes it
-// wherever it can run, for measuring (FAST_CAUSAL_ATTN_SEGMENTS forces its segment count as the
-// other families').
-constexpr int64_t kWgmmaMinPairs = 64;
+//   8,16,2048,64 0.048 / 0.173 against 0.085 / 0.257;  16,16,2048,64 0.082 / 0.312 against 0.113 / 0.399
+//   8,16,2048,128 0.107 / 0.382 against 0.164 / 0.668;  1,16,32768,128 0.282 / 0.912 against 0.417 / 1.587
+//   8,16,2048,64,128 0.070 / 0.290 against 0.112 / 0.481
+// (fewer pairs: time segments fill the multiprocessors on either family). Below about 16 pairs a
+// call is bound by the host's time to issue it, so do_bench medians there follow the host, not the
+// kernels. A function of the shapes and the device alone (not of the rows' alignment), so that a
+// plan (dry_run) and the run agree on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the
+// kernel off, for measuring (=1, the default, is accepted; FAST_CAUSAL_ATTN_SEGMENTS forces its
+// segment count as the other families').
 template <Pass P, typename scalar_t>
 bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 #if defined(FAST_CAUSAL_ATTN_SM90A)
@@ -667,12 +895,12 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
-    if (Da > 64 || Dc > 64 || Da % 8 != 0 || Dc % 8 != 0 || p.normalize) return false;
+    // The forward and dq: Da up to 128 (two atoms), Dc in column tiles of 64 (two a block); dk and
+    // dv: E and M up to 64 on one warpgroup, up to 128 on two.
+    if (Da > 128 || Dc > 128 || Da % 8 != 0 || Dc % 8 != 0 || p.normalize) return false;
     // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
     // marks a state by its kv alone) must decide as the run does.
     if (p.has_state_io()) return false;
-    const bool forced = switch_ != nullptr && std::strcmp(switch_, "1") == 0;
-    if (!forced && p.num_seqs * p.H < kWgmmaMinPairs) return false;
     return device_runs_sm90a();
   }
 #else
@@ -692,34 +920,46 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   p.rows_are_vectors = rows_are_vectors(p, 2);
   p.state_head = 0;
   const int64_t pairs = p.num_seqs * p.H;
-  constexpr int kTiles = P == Pass::GradKV ? 4 : 3;
-  const auto kernel = [] {
+  // The forward and dq: Da in one atom or two; Dc above 64 on two warpgroups sharing A and B
+  // (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles of 64 on one warpgroup each, for measuring).
+  const int atoms = P != Pass::GradKV && Da > 64 ? 2 : 1;
+  const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
+  const int groups = P != Pass::GradKV && Dc > 64 && !(forced_groups && std::strcmp(forced_groups, "1") == 0) ? 2 : 1;
+  const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + C * groups - 1) / (C * groups);
+  // dk and dv: above 64 (either of E, M), the state on two warpgroups
+  const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
+  const auto kernel = [atoms, groups, wide] {
     if constexpr (P == Pass::GradKV) {
-      return wgmma_grad_kv_kernel<scalar_t>;
+      return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
-      return wgmma_product_kernel<P, scalar_t>;
+      if (atoms == 2) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 2, 1>;
+      return groups == 2 ? wgmma_product_kernel<P, scalar_t, 1, 2> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
   }();
+  const int threads = wgmma::kThreads * (wide ? 2 : groups);
+  const size_t smem = wide                  ? wgmma::smem_bytes(8, 8, 2, 2)
+                      : P == Pass::GradKV ? wgmma::smem_bytes(4)
+                                          : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups);
+  const int64_t blocks = pairs * col_tiles;
   if constexpr (P == Pass::GradQ) {
     if (take_forward_segments(p, C)) {
       if (!p.dry_run) {
-        launch_segmented<P>(kernel, p, SegmentWorkspace{}, pairs * p.segments, wgmma::kThreads,
-                            wgmma::smem_bytes(kTiles), stream, Da, Dc, 1);
+        launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,
+                            col_tiles);
       }
       return {};
     }
   }
   // One block a multiprocessor: a second measured no faster (RESULTS.md, sixteenth session, calls 3
-  // and 6, before the swizzled staging; not measured since), so segments only until the pairs
+  // and 6, before the swizzled staging; not measured since), so segments only until the blocks
   // fill the multiprocessors once.
   const int64_t sms = multiprocessor_count();
-  const int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(pairs, sms / pairs * pairs, p.L,
+  const int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(blocks, sms / blocks * blocks, p.L,
                                                                          kMinChunksPerSegment * C);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
-  launch_segmented<P>(kernel, p, workspace, pairs * p.segments, wgmma::kThreads, wgmma::smem_bytes(kTiles), stream,
-                      Da, Dc, 1);
+  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
   }
