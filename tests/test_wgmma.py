@@ -13,7 +13,7 @@ import torch
 
 import fast_causal_attn
 from conftest import CUDA, ON_SM90, SM90, cuda_kernels_launched
-from reference import make_inputs, reference_with_grads, relative_error
+from reference import make_inputs, reference, reference_with_grads, relative_error
 from test_correctness import ERROR_FLOOR, check_against_reference, shape_id
 
 EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") != "1",
@@ -164,3 +164,20 @@ def test_16_bit_plain_unaligned_rows(width, wgmma, dtype, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, width + 1, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long():
+    """The wgmma forward at E, M <= 64 fits two blocks a multiprocessor: where filling the
+    multiprocessors once takes segments (half as many pairs as multiprocessors: 2), it takes twice
+    as many while each holds 8 chunks or more (4096 steps: 4 of 16 chunks), and no more than one
+    wave's where they would be shorter (1024 steps: 2 of 8 chunks); the result is right either way."""
+    pairs = torch.cuda.get_device_properties(0).multi_processor_count // 2
+    for L, expected in ((4096, 4), (1024, 2)):
+        q, k, v = make_inputs(1, pairs, L, 64, 64, dtype=torch.bfloat16, device="cuda")
+        results = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)
+        assert results[4].shape[1] == expected, (L, results[4].shape)
+        exact, plain = (reference(q, k, v, dtype=dtype) for dtype in (torch.float64, torch.bfloat16))  # on the GPU
+        assert relative_error(results[0], exact) <= max(2 * relative_error(plain, exact), ERROR_FLOOR[torch.bfloat16])

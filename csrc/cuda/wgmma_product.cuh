@@ -950,12 +950,21 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return {};
     }
   }
-  // One block a multiprocessor: a second measured no faster (RESULTS.md, sixteenth session, calls 3
-  // and 6, before the swizzled staging; not measured since), so segments only until the blocks
-  // fill the multiprocessors once.
+  // Segments until the blocks fill the multiprocessors once. Where that takes segments at all, and
+  // two blocks fit a multiprocessor (the forward and dq at E, M <= 64: 97 KB), until they fill
+  // them twice, each segment 8 chunks or longer: bf16 4,16,8192,64 (64 pairs) forward kernels
+  // 0.119 ms in 2 segments, 0.105 in 4, dq 0.083 -> 0.073; 1,16,8192,64 (16 pairs) forward 0.040
+  // in 8, 0.037 in 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32
+  // of 4: forward 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a
+  // multiprocessor: at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md,
+  // eighteenth session, call 4). A lone segment stays lone: 8,16,2048,64 (128 pairs) in two
+  // segments was not measured since the swizzled staging (before it, slower: sixteenth session).
   const int64_t sms = multiprocessor_count();
-  const int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(blocks, sms / blocks * blocks, p.L,
-                                                                         kMinChunksPerSegment * C);
+  int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(blocks, sms / blocks * blocks, p.L,
+                                                                   kMinChunksPerSegment * C);
+  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
+    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
+  }
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
