@@ -21,6 +21,8 @@
 #                               # carried with third_party); it is built in place beside this tree
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
+#   STAGES="tf32" ...           # the float32 3xTF32 wgmma forward prototype checked and timed
+#                               # (wgmma_tf32_forward.py; TF32_ARGS="--shapes ...")
 #   STAGES="build anatomy" ...  # fla's fused_chunk forward beside our one segment and the wgmma
 #                               # prototype (benchmarks/fla_anatomy.py), then ncu of the three:
 #                               # durations, instructions, stalls by opcode (ANATOMY="B H L D")
@@ -172,6 +174,11 @@ if has wgmma; then  # the wgmma (sm_90a) forward prototype checked and timed; WG
   # reruns the layout probe (settled on the H200 in the eighth session: the PTX ISA's order)
   [[ "${WGMMA_PROBE:-0}" == 1 ]] && python benchmarks/wgmma_probe.py 2>&1 | tee "$OUT/wgmma_probe.log"
   python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log"
+fi
+
+if has tf32; then  # the float32 3xTF32 wgmma forward prototype beside the library's float32 forward
+  python benchmarks/wgmma_tf32_forward.py ${TF32_ARGS:-} 2>&1 | tee "$OUT/wgmma_tf32_forward.log"
+  status=$(( status | $? ))
 fi
 
 if has bench; then
