@@ -8,7 +8,7 @@
 // products a term). TF32 wgmma reads both shared-memory operands K-major only (no transposed
 // view), so the layout differs from the 16-bit kernels':
 //
-//   scores = Q K^T       A = Q (raw tile, K = e along its rows' columns), B = K (raw tile)
+//   scores = Q K^T       A = Q (raw tile, K = e along its columns), B = K (raw tile)
 //   out    = Q S         B = S^T, written by the block as its state's copy ([m][e])
 //   out   += P V         A = P from registers (the scores' accumulators, shuffled into the A
 //                        fragment's layout), B = V^T (written per chunk from the raw V tile)
@@ -16,11 +16,12 @@
 //
 // Each term is head x head + head x tail + tail x head: the head is the raw float32 (the tensor
 // core ignores an operand's 13 low bits: it truncates to TF32), the tail x - trunc(x), exact in
-// float32 (tensorcore_product.cuh's split). Tails: K's as a tile (written per chunk), Q's, P's and
-// K^T's in registers, V^T's and S^T's as tiles. Tiles are 64 x 64 float32 in wgmma's 128-byte
+// float32 (tensorcore_product.cuh's split). Tails: q's and k's as tiles (written per chunk), P's
+// and K^T's in registers, v^T's and S^T's as tiles (q's in registers spilled 196 bytes; as a tile
+// 20, at 255 registers). Tiles are 64 x 64 float32 in wgmma's 128-byte
 // swizzle: two atoms of 32 columns (8 KB apart), element (r, c) of an atom at 128 r + 16 ((c / 4)
 // ^ (r % 8)) + 4 (c % 4); a k8 step moves the start address 32 bytes. Raw q, k, v are staged by
-// cp.async two chunks deep (96 KB), the derived tiles single (80 KB): 176 KB, one block a
+// cp.async two chunks deep (96 KB), the derived tiles single (96 KB): 192 KB, one block a
 // multiprocessor.
 #include <torch/extension.h>
 
@@ -40,7 +41,8 @@ constexpr int kRawAt = 0;               // stage s: q, k, v at (3 s + 0, 1, 2) t
 constexpr int kKLoAt = 3 * kDepth;      // k's tails
 constexpr int kVtHiAt = kKLoAt + 1, kVtLoAt = kKLoAt + 2;  // v^T, [m][s]
 constexpr int kStHiAt = kKLoAt + 3, kStLoAt = kKLoAt + 4;  // the state's copy S^T, [m][e]
-constexpr int kSmem = (kKLoAt + 5) * kTileF;
+constexpr int kQLoAt = kKLoAt + 5;                         // q's tails
+constexpr int kSmem = (kKLoAt + 6) * kTileF;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The byte offset of element (r, c) in a swizzled float32 tile.
@@ -139,6 +141,9 @@ __global__ void __launch_bounds__(128, 1)
       const float4 x = *reinterpret_cast<const float4*>(smem + kt * kTileF + offset);
       *reinterpret_cast<uint4*>(smem + kKLoAt * kTileF + offset) =
           make_uint4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
+      const float4 y = *reinterpret_cast<const float4*>(smem + qt * kTileF + offset);
+      *reinterpret_cast<uint4*>(smem + kQLoAt * kTileF + offset) =
+          make_uint4(tail_of(y.x), tail_of(y.y), tail_of(y.z), tail_of(y.w));
     }
     {
       const int s = tid % 64;  // a warp: 32 consecutive timesteps (one row of v^T each, conflict-free)
@@ -154,12 +159,6 @@ __global__ void __launch_bounds__(128, 1)
         }
       }
     }
-    // q's tails as A fragments: rows 16 warp + g (+8), k-step s columns 8 s + q4 (+4)
-    uint32_t q_lo[8][4];
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) q_lo[s][r] = tail_of(word(qt, 16 * warp + g + 8 * (r % 2), 8 * s + q4 + 4 * (r / 2)));
     fence_shared_writes();
     __syncthreads();  // the derived tiles, written by every warp
 
@@ -169,13 +168,13 @@ __global__ void __launch_bounds__(128, 1)
     for (int s = 0; s < 8; ++s) {  // scores = Q K^T
       tf32_ss(score, k_step(tile(qt), s), k_step(tile(kt), s), s > 0);
       tf32_ss(score, k_step(tile(qt), s), k_step(tile(kKLoAt), s));
-      tf32_rs(score, q_lo[s], k_step(tile(kt), s));
+      tf32_ss(score, k_step(tile(kQLoAt), s), k_step(tile(kt), s));
     }
 #pragma unroll
     for (int s = 0; s < 8; ++s) {  // out = Q S (S^T's copy, K = e)
       tf32_ss(acc, k_step(tile(qt), s), k_step(tile(kStLoAt), s), s > 0);
       tf32_ss(acc, k_step(tile(qt), s), k_step(tile(kStHiAt), s));
-      tf32_rs(acc, q_lo[s], k_step(tile(kStHiAt), s));
+      tf32_ss(acc, k_step(tile(kQLoAt), s), k_step(tile(kStHiAt), s));
     }
     commit();
     issue(it + 1, ring.refill());
