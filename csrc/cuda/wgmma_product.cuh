@@ -401,6 +401,20 @@ __device__ __forceinline__ void scores_of(float (&d)[32], uint32_t a_tile, uint3
   }
 }
 
+// d += B^T C over a chunk (a state's update: S += B^T Cc in the forward direction, D += dO^T Q
+// in dk and dv), K (time) along the rows of both staged tiles.
+template <bool kHalf>
+__device__ __forceinline__ void add_bt_times_c(float (&d)[32], uint32_t b_tile, uint32_t c_tile) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(b_tile, s), k_along_rows(c_tile, s));
+}
+// The same for a state of kAtoms row blocks: row block a from B's atom a (kTile bytes apart).
+template <bool kHalf, int kAtoms>
+__device__ __forceinline__ void add_bt_times_c(float (&d)[kAtoms][32], uint32_t b_tile, uint32_t c_tile) {
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a) add_bt_times_c<kHalf>(d[a], b_tile + a * kTile, c_tile);
+}
+
 // d = A (a staged tile, K-major) times the state's copy at `copy`: the copy as it is (kTransB = 1,
 // MN-major: A S) or transposed (kTransB = 0, K-major: A S^T). bfloat16 multiplies both parts
 // (kPart bytes apart), the remainder first (the small terms first), then the head. kAtoms: A's
@@ -543,14 +557,6 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     }
     StageRing<>::commit_copies();
   };
-  // S += B^T Cc: row block a of S from B's atom a (MN-major along its columns, K along its rows).
-  auto update_state = [&](float (&state)[kAtoms][32], uint32_t bt, uint32_t ct) {
-#pragma unroll
-    for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(state[a], k_along_rows(bt + a * kTile, s), k_along_rows(ct, s));
-  };
-
   // The state: row e = 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in state[a][4 j ..];
   // from the segment's start.
   float state[kAtoms][32];
@@ -569,7 +575,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
                    ct = tile_of(ring.slot, 2 * kAtoms + group);
     if (state_only) {
       fence();
-      update_state(state, bt, ct);
+      add_bt_times_c<kHalf>(state, bt, ct);  // S += B^T Cc
       commit();
       issue(it + kStages - 1, next_slot);
       wait<0>();
@@ -582,7 +588,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     commit();
     times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
     commit();
-    update_state(state, bt, ct);
+    add_bt_times_c<kHalf>(state, bt, ct);
     commit();
     issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
     wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
@@ -672,8 +678,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     const int n = work.chunk_len(t0, C);
     if (state_only) {
       fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(dt, s), k_along_rows(qt, s));  // D += dO^T Q
+      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
       commit();
       issue(it + kStages - 1, next_slot);
       wait<0>();
@@ -699,8 +704,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     commit();
     times_state_copy<kHalf, 1>(acc, vt, copy.at);
     commit();
-#pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(dt, s), k_along_rows(qt, s));  // D += dO^T Q
+    add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
     commit();
     issue(it + kStages - 1, next_slot);
     wait<1>();  // the scores and V D; D's update may still run
@@ -772,21 +776,14 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     }
     StageRing<kDepth>::commit_copies();
   };
-  // D's columns 64 group on (two row blocks of M) += dO^T Q's
-  auto update_state = [&](float (&d)[2][32], uint32_t dt, uint32_t qt) {
-#pragma unroll
-    for (int a = 0; a < 2; ++a)
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-        mma_ss<kHalf, 1, 1>(d[a], k_along_rows(dt + a * kTile, s), k_along_rows(qt + group * kTile, s));
-  };
-
   // This group's half of D: row m = 64 a + 16 warp + g (+8), column e = 64 group + 8 j + 2 q4 (+1) in
   // d[a][4 j ..]; from the segment's start (the sums of the segments after it).
   float d[2][32];
 #pragma unroll
   for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
   if (!state_only) copy.publish_first(d);
+  // D's columns 64 group on (two row blocks of M) += dO^T Q's
+  auto update_state = [&](uint32_t dt, uint32_t qt) { add_bt_times_c<kHalf>(d, dt, qt + group * kTile); };
 
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
@@ -800,7 +797,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     const int n = work.chunk_len(t0, C);
     if (state_only) {
       fence();
-      update_state(d, dt, qt);
+      update_state(dt, qt);
       commit();
       issue(it + kDepth - 1, next_slot);
       wait<0>();
@@ -827,7 +824,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
         }
       }
       commit();
-      update_state(d, dt, qt);
+      update_state(dt, qt);
       commit();
       issue(it + kDepth - 1, next_slot);
       wait<1>();  // the scores and the state's products; D's update may still run
