@@ -58,6 +58,8 @@ if has build; then
   fi
   echo "build: $(( $(date +%s) - start )) s"
   grep -h -A2 "Compiling entry" build/*/*.log 2>/dev/null | grep -E "spill" | sort | uniq -c | head -5
+  # ptxas serializing a kernel's wgmma (an accumulator read while its products run) costs 2x
+  grep -h -E "C7514|C7510" build/*/*.log "$OUT/build.log" 2>/dev/null | sed -E "s/ in the function.*//" | sort | uniq -c | head -5
 fi
 
 # fla's Triton kernels compile on first use, minutes for the whole list (one call's limit, beside
@@ -119,6 +121,8 @@ if has sanitize; then
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
   sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
+  # float32's wgmma forward and dq (3xTF32): segments, partial chunks, rows at any alignment
+  sanitize wgmma_tf32 "test_float32_plain and B2H3L333E40M24 and blhd and (1-wgmma or 3-wgmma) or test_float32_unaligned_rows and not sync" tests/test_wgmma.py
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, two in float32)
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"
@@ -130,10 +134,12 @@ if has sanitize; then
   sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
 fi
 
-if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L E M fwd|bwd dtype"
+if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd dtype", PROFILE_KERNEL (a regex)
   args=${PROFILE:-"8 16 2048 64 64 fwd bfloat16"}
+  kernel=${PROFILE_KERNEL:-tensorcore_product_kernel}
+  family=$([[ "$kernel" == tensorcore* ]] && echo tensorcore)  # the mma.sync kernels forced; else the default path
   name=tc_$(echo "$args" | tr ' ' '_')
-  FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none -k regex:tensorcore_product_kernel --set full \
+  FAST_CAUSAL_ATTN_KERNEL=$family ncu --clock-control none -k regex:"$kernel" --set full \
     --import-source yes -f -o "/tmp/$name" python benchmarks/profile_kernels.py $args >"$OUT/ncu_run.log" 2>&1
   # the report stays on the machine (too large to bring back): its pages are read here
   ncu -i "/tmp/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1
@@ -141,13 +147,13 @@ if has profile; then  # where the tensor-core kernels' time goes: PROFILE="B H L
   ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass >"/tmp/${name}_sass.csv" 2>&1
   python benchmarks/sass_summary.py "/tmp/${name}_sass.csv" >"$OUT/${name}_sass_summary.txt" 2>&1
   head -45 "$OUT/${name}_sass_summary.txt"
-  grep -E "tensorcore_product_kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
+  grep -E "$kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
     "$OUT/$name.txt" | head -40
   for segments in "" 1 2; do  # the same launches by segment count (default, 1, 2), durations only
     echo "FAST_CAUSAL_ATTN_SEGMENTS=${segments:-default}:"
-    FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu --clock-control none \
-      -k regex:"tensorcore_product_kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
-      grep -E "Duration|Grid Size|tensorcore_product_kernel|scan_segments" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//'
+    FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=$family ncu --clock-control none \
+      -k regex:"$kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
+      grep -E "Duration|Grid Size|$kernel|scan_segments" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//'
   done
 fi
 

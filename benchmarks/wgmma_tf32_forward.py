@@ -44,7 +44,7 @@ def library(q, k, v, segments=None):
     if segments is not None:
         os.environ["FAST_CAUSAL_ATTN_SEGMENTS"] = str(segments)
     try:
-        return fast_causal_attn.causal_dot_product(q, k, v, scale=SCALE)
+        return fast_causal_attn.causal_linear_attention(q, k, v, scale=SCALE)
     finally:
         os.environ.pop("FAST_CAUSAL_ATTN_SEGMENTS", None)
 

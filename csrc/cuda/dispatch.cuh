@@ -9,7 +9,7 @@
 #include "chunked_product.cuh"
 #include "recurrent_product.cuh"
 #include "tensorcore_product.cuh"
-#include "wgmma_product.cuh"
+#include "wgmma_launch.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -101,12 +101,12 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
           (family == Family::Default && tensorcore_by_default<P, scalar_t>(p, Da, Dc)));
 }
 
-// A pass on tensor cores: the wgmma kernel where it takes the pass by default (wgmma_product.cuh),
+// A pass on tensor cores: the wgmma kernels where they take the pass by default (wgmma_launch.cuh),
 // the mma.sync kernels otherwise (and whenever FAST_CAUSAL_ATTN_KERNEL=tensorcore forces the
 // family, so that their tests keep testing them).
 template <Pass P, typename scalar_t>
 ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr (kWgmmaInput<scalar_t> && (P == Pass::Forward || P == Pass::GradQ)) {
+  if constexpr ((kWgmmaInput<scalar_t> || std::is_same_v<scalar_t, float>) && (P == Pass::Forward || P == Pass::GradQ)) {
     if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
       return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
     }

@@ -1,0 +1,145 @@
+// Which passes the wgmma kernels take (wgmma_takes), and their launch (launch_wgmma): the 16-bit
+// kernels of wgmma_product.cuh and float32's of wgmma_tf32_product.cuh, in the same segments.
+#pragma once
+
+#include <algorithm>
+
+#include "wgmma_product.cuh"
+#include "wgmma_tf32_product.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+
+template <typename scalar_t>
+constexpr bool kWgmmaInput = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
+
+// Whether the device is of compute capability 9.0 (where an sm_90a binary runs), asked once per device.
+bool device_runs_sm90a();
+
+// Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
+// no normalize, no states in or out, and
+//  - bfloat16 or float16: the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with
+//    the dk pass's Da = M, Dc = E), Da and Dc up to 128 in whole 16-byte vectors;
+//  - float32: the forward and dq, Da and Dc up to 64 in whole 16-byte vectors (dk and dv keep the
+//    mma.sync kernels), only where FAST_CAUSAL_ATTN_WGMMA_FLOAT32=1 asks: one warpgroup a
+//    multiprocessor issues 2300 instructions a chunk at 5 cycles each, as slow as the mma.sync
+//    kernels or slower (H200 forward kernel ms, wgmma / mma.sync: 8,16,2048,64 0.213 / 0.198;
+//    4,16,8192,64 0.601 / 0.387; 2,4,8192,64 0.092 / 0.075; RESULTS.md, nineteenth session).
+// 16-bit: where it runs it was the faster family at every shape measured, from one
+// (sequence, head) pair to 512 (H200, bfloat16, fwd / fwd+bwd ms, CUDA graph replay, wgmma
+// against mma.sync; RESULTS.md, seventeenth and eighteenth sessions):
+//   1,1,8192,64 0.032 / 0.076 against 0.035 / 0.102;  1,4,8192,64 0.034 / 0.081 against 0.039 / 0.108
+//   2,4,8192,64 0.038 / 0.096 against 0.046 / 0.127;  1,16,8192,64 0.051 / 0.139 against 0.065 / 0.178
+//   4,16,8192,64 (64 pairs, time segments) 0.127 / 0.396 against 0.151 / 0.464
+//   8,16,2048,64 0.048 / 0.173 against 0.085 / 0.257;  16,16,2048,64 0.082 / 0.312 against 0.113 / 0.399
+//   8,16,2048,128 0.107 / 0.382 against 0.164 / 0.668;  1,16,32768,128 0.282 / 0.912 against 0.417 / 1.587
+//   8,16,2048,64,128 0.070 / 0.290 against 0.112 / 0.481
+// (fewer pairs: time segments fill the multiprocessors on either family). Below about 16 pairs a
+// call is bound by the host's time to issue it, so do_bench medians there follow the host, not the
+// kernels. A function of the shapes and the device alone (not of the rows' alignment), so that a
+// plan (dry_run) and the run agree on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the
+// kernel off, for measuring (=1, the default, is accepted; FAST_CAUSAL_ATTN_SEGMENTS forces its
+// segment count as the other families').
+template <Pass P, typename scalar_t>
+bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
+#if defined(FAST_CAUSAL_ATTN_SM90A)
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  if constexpr (!(kWgmmaInput<scalar_t> || kFloat) || (P != Pass::Forward && P != Pass::GradQ && P != Pass::GradKV) ||
+                (kFloat && P == Pass::GradKV)) {
+    return false;
+  } else {
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
+    if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
+    if constexpr (kFloat) {
+      const char* float32 = std::getenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32");
+      if (float32 == nullptr || std::strcmp(float32, "1") != 0) return false;
+    }
+    // 16-bit: the forward and dq: Da up to 128 (two atoms), Dc in column tiles of 64 (two a
+    // block); dk and dv: E and M up to 64 on one warpgroup, up to 128 on two. float32: one tile.
+    constexpr int64_t kMax = kFloat ? 64 : 128, kVector = 16 / sizeof(scalar_t);
+    if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0 || p.normalize) return false;
+    // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
+    // marks a state by its kv alone) must decide as the run does.
+    if (p.has_state_io()) return false;
+    return device_runs_sm90a();
+  }
+#else
+  (void)p, (void)Da, (void)Dc;
+  return false;
+#endif
+}
+
+// Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
+// hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
+// forward's starts where it kept them); returns the forward's segment starts where it keeps them,
+// and a plan's count (dry_run) without launching.
+template <Pass P, typename scalar_t>
+ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  using wgmma::C;
+  KernelParams p = params;
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  p.rows_are_vectors = rows_are_vectors(p, sizeof(scalar_t));
+  p.state_head = 0;
+  const int64_t pairs = p.num_seqs * p.H;
+  // The forward and dq: Da in one atom or two; Dc above 64 on two warpgroups sharing A and B
+  // (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles of 64 on one warpgroup each, for measuring).
+  const int atoms = P != Pass::GradKV && Da > 64 ? 2 : 1;
+  const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
+  const int groups = P != Pass::GradKV && Dc > 64 && !(forced_groups && std::strcmp(forced_groups, "1") == 0) ? 2 : 1;
+  const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + C * groups - 1) / (C * groups);
+  // dk and dv: above 64 (either of E, M), the state on two warpgroups
+  const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
+  const auto kernel = [atoms, groups, wide, tf32 = p.tf32] {
+    if constexpr (kFloat) {
+      static_assert(P != Pass::GradKV, "float32's dk and dv keep the mma.sync kernels");
+      // Da, Dc <= 64: one atom, one warpgroup; 3xTF32, or TF32 where the user allowed it
+      return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
+    } else if constexpr (P == Pass::GradKV) {
+      return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
+    } else {
+      if (atoms == 2) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 2, 1>;
+      return groups == 2 ? wgmma_product_kernel<P, scalar_t, 1, 2> : wgmma_product_kernel<P, scalar_t, 1, 1>;
+    }
+  }();
+  const int threads = wgmma::kThreads * (wide ? 2 : groups);
+  const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
+                      : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
+                      : P == Pass::GradKV ? wgmma::smem_bytes(4)
+                                          : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups);
+  const int64_t blocks = pairs * col_tiles;
+  if constexpr (P == Pass::GradQ) {
+    if (take_forward_segments(p, C)) {
+      if (!p.dry_run) {
+        launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,
+                            col_tiles);
+      }
+      return {};
+    }
+  }
+  // Segments until the blocks fill the multiprocessors once. Where that takes segments at all, and
+  // two blocks fit a multiprocessor (the forward and dq at E, M <= 64: 97 KB), until they fill
+  // them twice, each segment 8 chunks or longer: bf16 4,16,8192,64 (64 pairs) forward kernels
+  // 0.119 ms in 2 segments, 0.105 in 4, dq 0.083 -> 0.073; 1,16,8192,64 (16 pairs) forward 0.040
+  // in 8, 0.037 in 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32
+  // of 4: forward 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a
+  // multiprocessor: at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md,
+  // eighteenth session, call 4); so does float32's forward and dq (192 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in two
+  // segments was not measured since the swizzled staging (before it, slower: sixteenth session).
+  const int64_t sms = multiprocessor_count();
+  int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(blocks, sms / blocks * blocks, p.L,
+                                                                   kMinChunksPerSegment * C);
+  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
+    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
+  }
+  const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
+  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
+  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
+  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
+  if constexpr (P == Pass::Forward) {
+    if (p.keep_segments) return workspace.kept();
+  }
+  return {};
+}
+
+}  // namespace cuda
+}  // namespace fast_causal_attn

@@ -1,0 +1,382 @@
+// The forward and dq of float32 on Hopper's wgmma (sm_90a), in 3xTF32 (float32-accurate; the
+// heads alone where the user allowed TF32, KernelParams::tf32), the state's rows and columns up to
+// 64, without normalize: wgmma_product.cuh's products, one warpgroup a block, per chunk of C = 64
+// timesteps
+//
+//   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
+//
+// in 96 m64n64k8 instructions where the mma.sync kernel issues about 1500 and their loads (H200,
+// 8,16,2048,64 forward: benchmarks/wgmma_tf32_forward.cu's prototype 0.131 ms against the
+// mma.sync kernel's 0.213; RESULTS.md, nineteenth session).
+//
+// TF32 wgmma reads its shared-memory operands K-major only (no transposed view, as 16-bit wgmma
+// has), so each product takes its operands as follows:
+//
+//   A B^T     A, B: the staged tiles (K = Da along their columns)
+//   A S       B: the state's copy, written transposed each chunk (S^T: rows m, K = e along them)
+//   P Cc      A: the masked scores from their accumulators, shuffled into A fragments;
+//             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
+//   B^T Cc    A: B^T, written from the staged B each chunk (rows e, K = time along them); B: Cc^T
+//
+// so the state's sums run beside the scores and A S, on operands all in shared memory at the
+// chunk's start. 3xTF32 makes each product three: head x head + head x tail + tail x head (tail x
+// tail dropped). A head is the float32 operand as it is (the tensor core ignores its 13 low bits:
+// it truncates to TF32), a tail x - trunc(x) (exact in float32; tensorcore_product.cuh's split),
+// written beside the staged tiles each chunk (A's and B's tails, B^T's, Cc^T's, S^T's) or kept in
+// registers (P's).
+//
+// The tensor cores add into their accumulators without rounding to nearest: with S accumulated in
+// them, the prototype's error grew with the chunks summed (1.6e-6 at L = 64, 2.2e-5 at 4097, H200,
+// nineteenth session; the mma.sync kernel met the same, tensorcore_product.cuh). So each chunk's
+// B^T Cc goes to fresh accumulators and is added to S in float32; S itself lives in shared memory
+// (S^T's head is the float32 state), which keeps 32 registers free.
+//
+// Tiles are 64 x 64 float32 (16 KB) in wgmma's 128-byte swizzle: two atoms of 32 columns, 8 KB
+// apart; element (r, c) of an atom at 128 r + 16 ((c / 4) ^ (r % 8)) + 4 (c % 4) bytes; a k8 step
+// moves the start address 32 bytes. Shared memory: A, B and Cc staged two chunks deep by cp.async
+// (96 KB: the next chunk's copies run behind this chunk's products), the eight derived tiles (128
+// KB): 224 KB, one block a multiprocessor.
+//
+// Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments
+// and their scan, SegmentStart / SegmentEnd, launch_wgmma), so the two families plan and segment
+// alike.
+#pragma once
+
+#include "wgmma_product.cuh"
+
+namespace fast_causal_attn {
+namespace cuda {
+namespace wgmma_tf32 {
+
+constexpr int C = 64;               // timesteps a chunk; the state's rows and columns, zero-padded
+constexpr int kThreads = 128;       // one warpgroup
+constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
+constexpr int kDepth = 2;           // chunks staged
+// Tiles: stage slot s holds A, B and Cc at 3 s, 3 s + 1, 3 s + 2; then the derived tiles.
+enum Tiles : int { kATail = 3 * kDepth, kBTail, kBtHead, kBtTail, kCtHead, kCtTail, kStHead, kStTail, kTileCount };
+constexpr size_t kSmemBytes = size_t(kTileCount) * kTile;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+using wgmma::descriptor;
+
+// The byte offset of element (r, c) in a swizzled tile.
+__device__ __forceinline__ uint32_t offset_of(int r, int c) {
+  return uint32_t((c / 32) * 8192 + 128 * r + 16 * (((c % 32) / 4) ^ (r % 8)) + 4 * (c % 4));
+}
+// A tile's descriptor as a K-major operand (K along its columns), k8 step s from the tile's own
+// (descriptor(tile + offset) = descriptor(tile) + offset / 16 below 256 KB: one add, where each
+// descriptor built whole was about 20 uniform instructions a wgmma, a fifth of the kernel's).
+__device__ __forceinline__ uint64_t k_step(uint64_t tile_descriptor, int s) {
+  return tile_descriptor + uint64_t(((s / 4) * 8192 + 32 * (s % 4)) / 16);
+}
+
+__device__ __forceinline__ uint32_t head_of(float x) { return __float_as_uint(x) & 0xffffe000u; }
+__device__ __forceinline__ uint32_t tail_of(float x) { return __float_as_uint(x - __uint_as_float(head_of(x))); }
+
+#define FCA_TF32_D32(d)                                                                                          \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
+      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
+      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FCA_TF32_D32_LIST                                                                                   \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
+  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// d (64 x 64: wgmma_product.cuh's accumulator layout) += A B^T, k8, both K-major from shared
+// memory; accumulate = false: d = A B^T.
+__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FCA_TF32_D32_LIST ", %32, %33, p, 1, 1;\n}\n"
+      : FCA_TF32_D32(d)
+      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+}
+// The same with A from registers: a0 (row g, k q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4)
+// of the warp's 16 rows (CUTLASS's ALayout_64x8).
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FCA_TF32_D32_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+      : FCA_TF32_D32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
+}
+#undef FCA_TF32_D32
+#undef FCA_TF32_D32_LIST
+
+// An A operand in registers, K = 64 (eight k8 steps), split into heads and tails.
+struct SplitFragments {
+  uint32_t head[8][4], tail[8][4];
+  __device__ __forceinline__ void set(int s, int r, float x) { head[s][r] = head_of(x), tail[s][r] = tail_of(x); }
+};
+
+// d (+)= A B^T over K = 64, B a K-major tile (its head) with its tail `b_tail` (kTile bytes on
+// where the caller wrote it), A a K-major tile and its tail tile (a_head, a_tail) or registers.
+// Per k8 step the small terms first (the accumulators truncate); kSplit = false: the heads alone.
+template <bool kSplit, typename A>
+__device__ __forceinline__ void times(float (&d)[32], const A& a, uint32_t b_head_tile, uint32_t b_tail_tile,
+                                      bool accumulate) {
+  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_tail_tile);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const bool first = !accumulate && s == 0;
+    if constexpr (kSplit) {
+      a.tail_times(d, s, k_step(b_head, s), !first);
+      a.head_times(d, s, k_step(b_tail, s), true);
+    }
+    a.head_times(d, s, k_step(b_head, s), kSplit || !first);
+  }
+}
+struct TileOperand {  // A from shared memory: its head tile and its tail tile (their descriptors)
+  uint64_t head, tail;
+  __device__ TileOperand(uint32_t head_tile, uint32_t tail_tile)
+      : head(descriptor(head_tile)), tail(descriptor(tail_tile)) {}
+  __device__ void head_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_ss(d, k_step(head, s), b, acc); }
+  __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_ss(d, k_step(tail, s), b, acc); }
+};
+struct RegisterOperand {  // A from registers
+  const SplitFragments& f;
+  __device__ void head_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.head[s], b, acc); }
+  __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.tail[s], b, acc); }
+};
+
+// One operand's rows as this thread copies them (Stager): the next chunk's first row of this
+// thread's pieces, the step between them (8 rows), and whether its columns lie inside the operand.
+struct Source {
+  const float* next;
+  int64_t piece_step;
+  bool inside;
+};
+
+// This thread's 16-byte pieces of a staged tile: columns 4 (tid % 16) on, rows tid / 16 + 8 i
+// (i < 8); sixteen lanes copy one 256-byte row (eight to an atom's 128-byte row, whole lines to
+// the L2, as wgmma_product.cuh's Stager). Rows past the chunk and columns past the operand's width
+// (a multiple of 4: wgmma_takes) are zeros; rows that are not 16-byte vectors are copied element
+// by element into the same places.
+struct Stager {
+  int row0, col;
+  uint32_t piece0;  // row0's piece in a tile; piece i (8 rows on: the same row % 8) at + 1024 i
+  bool vectors;
+  __device__ Stager(int tid, bool vectors_) : row0(tid / 16), col(4 * (tid % 16)), vectors(vectors_) {
+    piece0 = uint32_t((col / 32) * 8192 + 128 * row0 + 16 * (((col % 32) / 4) ^ row0));
+  }
+  template <typename Rows>
+  __device__ Source source(const Rows& x, int64_t first, int64_t width, int64_t col0 = 0) const {
+    const bool inside = col0 + col < width;
+    return Source{x.ptr + (first + row0) * x.stride + col0 + (inside ? col : 0), 8 * x.stride, inside};
+  }
+  // The chunk of n rows at src.next into `tile` as cp.async copies, zeros past n; `any`: a valid
+  // address of the operand (the zero copies' source). Then src steps a chunk on.
+  __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const float* any, int n) const {
+    if (vectors) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const bool valid = src.inside && row0 + 8 * i < n;
+        wgmma::copy_16(tile + piece0 + 1024 * i, valid ? src.next + i * src.piece_step : any, valid);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float x[4] = {0.f, 0.f, 0.f, 0.f};
+        if (src.inside && row0 + 8 * i < n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) x[e] = src.next[i * src.piece_step + e];
+        }
+        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + piece0 + 1024 * i), "f"(x[0]), "f"(x[1]),
+                     "f"(x[2]), "f"(x[3])
+                     : "memory");
+      }
+    }
+    src.next += 8 * src.piece_step;
+  }
+};
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
+}  // namespace wgmma_tf32
+
+// The forward and dq of float32 (wgmma_takes): one block a (sequence, head, time segment), from
+// the segment's start; state-only blocks (launch_segmented's first launch) sum their segment's
+// B^T Cc alone. Da and Dc up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user
+// allowed it: KernelParams::tf32; a runtime switch between the products made ptxas wait for the
+// accumulators between every two).
+template <Pass P, bool kSplit>
+__global__ void __launch_bounds__(wgmma_tf32::kThreads, 1)
+    wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace wgmma_tf32;
+  using wgmma::commit;
+  using wgmma::fence;
+  using wgmma::wait;
+  static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
+
+  extern __shared__ __align__(1024) unsigned char wgmma_smem[];
+  const uint32_t base = wgmma::smem_address(wgmma_smem);
+  auto tile = [&](int which) { return base + uint32_t(which) * kTile; };
+  auto word = [&](int which, int r, int c) -> float& {
+    return *reinterpret_cast<float*>(wgmma_smem + which * kTile + offset_of(r, c));
+  };
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
+
+  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc);
+  const Operands<P, float, float> ops = work.operands(p);
+  const int64_t chunks = work.chunk_count(C);
+  const bool state_only = work.state_only;
+  const Stager stage(tid, p.rows_are_vectors);
+  Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da);
+  Source b_src = stage.source(ops.b_rows(), work.seg_begin, Da);
+  Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, work.m0);
+  auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step a chunk each
+    if (it < chunks) {
+      const int n = work.chunk_len(work.seg_begin + it * C, C);
+      if (!state_only) stage(tile(3 * slot), a_src, ops.a_rows().ptr, n);
+      stage(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
+      stage(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
+    }
+    wgmma::StageRing<kDepth>::commit_copies();
+  };
+
+  // The state S lives in shared memory as the copy A S reads: S^T (row m, column e), its head the
+  // float32 state itself (the master: registers held no more), its tail beside. This thread keeps
+  // (and alone reads and writes) the elements of an accumulator's layout: row e = 16 warp + g
+  // (+8), column m = m0 + 8 j + 2 q4 (+1), element 4 j .. of a 32-float array.
+  auto state = [&](int i) -> float& {
+    return word(kStHead, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  };
+  auto state_tail = [&](int i) -> float& {
+    return word(kStTail, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  };
+  {
+    float start[32];  // the segment's start (read after the first chunk's barrier)
+    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, 0, work.m0);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      state(i) = start[i];
+      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(start[i]));
+    }
+  }
+
+  const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
+  issue(0, 0);
+  wgmma::StageRing<kDepth> ring;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.arrive();
+    const uint32_t at = tile(3 * ring.slot), bt = at + kTile;
+    const int ct = 3 * ring.slot + 2;
+    // The derived tiles: B^T and Cc^T (a warp: 32 consecutive timesteps, one row of the transpose
+    // each; both the reads and the writes conflict-free), and A's and B's tails in their heads'
+    // places.
+    auto transpose = [&](int from, int head, int tail) {
+      const int s = tid % 64;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int group = tid / 64 + 2 * i;  // four columns
+        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + from * kTile + offset_of(s, 4 * group));
+        const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          word(head, 4 * group + e, s) = xs[e];
+          if constexpr (kSplit) word(tail, 4 * group + e, s) = __uint_as_float(tail_of(xs[e]));
+        }
+      }
+    };
+    transpose(ct, kCtHead, kCtTail);
+    transpose(ct - 1, kBtHead, kBtTail);
+    if (kSplit && !state_only) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t offset = stage.piece0 + 1024 * i;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+          const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * ring.slot + which) * kTile + offset);
+          *reinterpret_cast<uint4*>(wgmma_smem + (kATail + which) * kTile + offset) =
+              make_uint4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
+        }
+      }
+    }
+    wgmma::fence_shared_writes();
+    __syncthreads();  // the derived tiles, written by every warp
+
+    const int64_t t0 = work.seg_begin + it * C;
+    // score, out and the state's sums (see the file's comment): set by their first products
+    float score[32], out[32], sums[32];
+    // The state's sums (B^T Cc) go behind P Cc: in flight while P is built they were read by the
+    // spills of its registers, and ptxas serialized every wgmma of the kernel (C7514; H200
+    // 8,16,2048,64 forward 0.291 ms against the prototype's 0.131).
+    const auto state_sums = [&] {
+      times<kSplit>(sums, TileOperand{tile(kBtHead), tile(kBtTail)}, tile(kCtHead), tile(kCtTail), false);
+      commit();
+    };
+    if (state_only) {
+      fence();
+      state_sums();
+      issue(it + 1, ring.refill());
+    } else {
+      fence();
+      times<kSplit>(score, TileOperand{at, tile(kATail)}, bt, tile(kBTail), false);            // A B^T
+      times<kSplit>(out, TileOperand{at, tile(kATail)}, tile(kStHead), tile(kStTail), false);  // A S
+      commit();
+      issue(it + 1, ring.refill());
+      wait<0>();
+      // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of n-tile
+      // s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two shuffles
+      // bring both: lane j of the quad sends element j / 2 first and the other second, and an
+      // even lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2 + q4 / 2
+      // (four shuffles, each a chosen element, were the same in twice the instructions).
+      SplitFragments pf;
+      const bool odd = q4 % 2, upper = q4 / 2;
+      const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g, g + 8
+          const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
+          const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
+          const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
+          const int row = 16 * warp + g + 8 * h;
+          pf.set(s, h, 8 * s + q4 <= row ? (odd ? y : x) : 0.f);          // column q4
+          pf.set(s, h + 2, 8 * s + q4 + 4 <= row ? (odd ? x : y) : 0.f);  // column q4 + 4
+        }
+      fence();
+      times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
+      commit();
+      state_sums();
+      wait<1>();  // P Cc; the state's sums may still run
+      const int n = work.chunk_len(t0, C), row = 16 * warp + g;
+      float* to = ops.out + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
+      const int64_t to_h = 8 * ops.out_l;
+      auto stores = [&](auto store) {  // (no branches: each a predicated store)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (row + 8 * h < n && 8 * j + 2 * q4 < work.cols) {  // cols: a multiple of 4
+              store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
+            }
+          }
+      };
+      if (stage.vectors) {
+        stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
+      } else {
+        stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
+      }
+    }
+    wait<0>();
+    if (!state_only) __syncthreads();  // every warp's wgmma has read the state's copy
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const float x = state(i) + sums[i];
+      state(i) = x;
+      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(x));
+    }
+  }
+  float end[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) end[i] = state(i);
+  wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state,
+                   Da, Dc, 0, work.m0);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
+#endif
+}
+
+}  // namespace cuda
+}  // namespace fast_causal_attn
