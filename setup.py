@@ -68,8 +68,8 @@ def shared_cxx_runtime() -> list:
 def cuda_arch_list() -> str:
     """TORCH_CUDA_ARCH_LIST as given. Where it is unset and a visible GPU is of compute capability
     9.0 (H100, H200): the visible GPUs' archs with 9.0 built as 9.0a, set in the environment for
-    the build. sm_90a code runs on compute capability 9.0 alone, and there the wgmma kernel
-    (csrc/cuda/wgmma_product.cuh) is the faster path: a build on such a machine takes it without
+    the build. sm_90a code runs on compute capability 9.0 alone, and there the wgmma kernels
+    (csrc/cuda/wgmma_product.cuh, wgmma_tf32_product.cuh) are the faster path: a build on such a machine takes it without
     being asked. Otherwise unset stays unset: torch's own choice (no 9.0a)."""
     given = os.environ.get("TORCH_CUDA_ARCH_LIST")
     if given is None and torch.cuda.is_available():
@@ -89,7 +89,7 @@ def extension():
         # No --use_fast_math: its approximate division and flushed denormals would bend the
         # exact-fp32 promise (the normalizer divides every output).
         nvcc = ["-O3", cxx_standard(), "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA"]
-        # The wgmma kernel (csrc/cuda/wgmma_product.cuh) needs sm_90a code: built, and taken on
+        # The wgmma kernels (csrc/cuda/wgmma_*.cuh) need sm_90a code: built, and taken on
         # devices of compute capability 9.0, when the arch list holds 9.0a.
         archs = cuda_arch_list().replace(" ", ";").split(";")
         if any(arch.strip().startswith("9.0a") for arch in archs):

@@ -21,8 +21,6 @@
 #                               # carried with third_party); it is built in place beside this tree
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
-#   STAGES="tf32" ...           # the float32 3xTF32 wgmma forward prototype checked and timed
-#                               # (wgmma_tf32_forward.py; TF32_ARGS="--shapes ...")
 #   STAGES="build anatomy" ...  # fla's fused_chunk forward beside our one segment and the wgmma
 #                               # prototype (benchmarks/fla_anatomy.py), then ncu of the three:
 #                               # durations, instructions, stalls by opcode (ANATOMY="B H L D")
@@ -96,7 +94,7 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
 fi
 
 if has tests; then
-  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors}" --maxfail=30 -p no:cacheprovider 2>&1 |
+  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 -p no:cacheprovider 2>&1 |
     tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
 fi
@@ -182,10 +180,6 @@ if has wgmma; then  # the wgmma (sm_90a) forward prototype checked and timed; WG
   python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log"
 fi
 
-if has tf32; then  # the float32 3xTF32 wgmma forward prototype beside the library's float32 forward
-  python benchmarks/wgmma_tf32_forward.py ${TF32_ARGS:-} 2>&1 | tee "$OUT/wgmma_tf32_forward.log"
-  status=$(( status | $? ))
-fi
 
 if has bench; then
   [[ -n "$warm_pid" ]] && { wait "$warm_pid"; save_triton_cache; }

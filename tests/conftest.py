@@ -12,7 +12,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 # measured faster, see csrc/cuda/dispatch.cuh), and each CUDA family forced
 # (FAST_CAUSAL_ATTN_KERNEL), so that every family meets the whole grid (a family takes only the
 # shapes and dtypes it can run; the rest go the default way). Hopper's wgmma kernels are the
-# default's wherever they can run (wgmma_product.cuh's wgmma_takes), so "cuda" meets them on
+# default's wherever they can run (wgmma_launch.cuh's wgmma_takes), so "cuda" meets them on
 # sm_90a builds, and "cuda-tensorcore" meets the mma.sync kernels that they replace there.
 DEVICE_KERNELS = [
     pytest.param("cpu", None, id="cpu"),

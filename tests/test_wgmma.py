@@ -194,16 +194,13 @@ def tf32_kernels(names):
 @EXPECT_WGMMA
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
-    """float32 at E = M = 64 where FAST_CAUSAL_ATTN_WGMMA_FLOAT32=1 asks (not yet the default: not yet
-    faster): at any count of pairs the forward and dq run on the float32 wgmma kernel (Pass 0 and
-    1), 3xTF32, or TF32 alone where the user allowed it (torch's flag), and dk with dv on the
-    mma.sync kernels; FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it is not taken."""
+    """float32 at E = M = 64: at any count of pairs the forward and dq run on the float32 wgmma kernel
+    (Pass 0 and 1), 3xTF32, or TF32 alone where the user allowed it (torch's flag), and dk with dv
+    on the mma.sync kernels; FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it is not taken."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
-        assert not tf32_kernels(training_step_kernels(2, 3, torch.float32))  # the default
-        monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32", "1")
         for B, H in ((1, 1), (2, 3), (1, sms), (2, sms)):
             names = training_step_kernels(B, H, torch.float32)
             assert tf32_kernels(names) == {("0", not allow_tf32), ("1", not allow_tf32)}, (B, H, names)
@@ -230,7 +227,7 @@ def test_float32_plain(shape, layout, segments, wgmma, monkeypatch):
     """float32's forward and dq on the wgmma kernel (dk and dv on mma.sync) in 1, 3 or 8 time
     segments, whole and partial last chunks, E != M, both layouts, two scales: within float32's
     1e-5 of float64, as on mma.sync."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
@@ -244,7 +241,7 @@ def test_float32_long_sequence_stays_exact(wgmma, monkeypatch):
     """One pair, one segment, 8192 steps (128 chunks summed into one state): within 1e-5 of float64.
     The tensor cores' accumulators truncate; a state summed in them drifted past 1e-5 by 4097
     steps (wgmma_tf32_product.cuh)."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
     q, k, v = make_inputs(1, 1, 8192, 64, 64, dtype=torch.float32, device="cuda")
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
@@ -256,7 +253,7 @@ def test_float32_long_sequence_stays_exact(wgmma, monkeypatch):
 def test_float32_unaligned_rows(wgmma, monkeypatch):
     """float32 rows that do not start at 16-byte boundaries (a view one element in) are copied
     element by element: the same float32-accurate results."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, 65, device="cuda")[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
@@ -266,7 +263,7 @@ def test_float32_unaligned_rows(wgmma, monkeypatch):
 def test_float32_tf32_allowed(wgmma, monkeypatch):
     """With TF32 allowed by torch's flag the float32 forward takes one TF32 product a step on either
     kernel: TF32-level error, above float32's and within 5e-3."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = make_inputs(2, 3, 500, 64, 64, dtype=torch.float32, device="cuda")
     previous = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = True

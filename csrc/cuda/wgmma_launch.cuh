@@ -21,11 +21,13 @@ bool device_runs_sm90a();
 //  - bfloat16 or float16: the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with
 //    the dk pass's Da = M, Dc = E), Da and Dc up to 128 in whole 16-byte vectors;
 //  - float32: the forward and dq, Da and Dc up to 64 in whole 16-byte vectors (dk and dv keep the
-//    mma.sync kernels), only where FAST_CAUSAL_ATTN_WGMMA_FLOAT32=1 asks: one warpgroup a
-//    multiprocessor issues 2300 instructions a chunk at 5 cycles each, as slow as the mma.sync
-//    kernels or slower (H200 forward kernel ms, wgmma / mma.sync: 8,16,2048,64 0.213 / 0.198;
-//    4,16,8192,64 0.601 / 0.387; 2,4,8192,64 0.092 / 0.075; RESULTS.md, nineteenth session).
-// 16-bit: where it runs it was the faster family at every shape measured, from one
+//    mma.sync kernels). Faster than mma.sync at every shape measured (H200, forward kernel ms and
+//    fwd+bwd CUDA graph replay ms, wgmma / mma.sync; RESULTS.md, nineteenth session):
+//      8,16,2048,64  0.133 / 0.199, 0.643 / 0.723;  4,16,8192,64 (segments) 0.371 / 0.392, 1.355 / 1.418
+//      2,4,8192,64 (segments) 0.059 / 0.075, 0.248 / 0.274
+//    (its first form, one warpgroup doing the staging and the products, was as slow as mma.sync or
+//    slower: 0.213 ms at 8,16,2048,64; two warpgroups with their own roles, wgmma_tf32_product.cuh).
+// 16-bit: where they run they were the faster family at every shape measured, from one
 // (sequence, head) pair to 512 (H200, bfloat16, fwd / fwd+bwd ms, CUDA graph replay, wgmma
 // against mma.sync; RESULTS.md, seventeenth and eighteenth sessions):
 //   1,1,8192,64 0.032 / 0.076 against 0.035 / 0.102;  1,4,8192,64 0.034 / 0.081 against 0.039 / 0.108
@@ -50,10 +52,6 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
-    if constexpr (kFloat) {
-      const char* float32 = std::getenv("FAST_CAUSAL_ATTN_WGMMA_FLOAT32");
-      if (float32 == nullptr || std::strcmp(float32, "1") != 0) return false;
-    }
     // 16-bit: the forward and dq: Da up to 128 (two atoms), Dc in column tiles of 64 (two a
     // block); dk and dv: E and M up to 64 on one warpgroup, up to 128 on two. float32: one tile.
     constexpr int64_t kMax = kFloat ? 64 : 128, kVector = 16 / sizeof(scalar_t);
@@ -101,7 +99,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return groups == 2 ? wgmma_product_kernel<P, scalar_t, 1, 2> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
   }();
-  const int threads = wgmma::kThreads * (wide ? 2 : groups);
+  const int threads = kFloat ? 2 * wgmma_tf32::kThreads : wgmma::kThreads * (wide ? 2 : groups);
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)

@@ -1,13 +1,13 @@
 // The forward and dq of float32 on Hopper's wgmma (sm_90a), in 3xTF32 (float32-accurate; the
 // heads alone where the user allowed TF32, KernelParams::tf32), the state's rows and columns up to
-// 64, without normalize: wgmma_product.cuh's products, one warpgroup a block, per chunk of C = 64
-// timesteps
+// 64, without normalize: wgmma_product.cuh's products, per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
 // in 96 m64n64k8 instructions where the mma.sync kernel issues about 1500 and their loads (H200,
-// 8,16,2048,64 forward: benchmarks/wgmma_tf32_forward.cu's prototype 0.131 ms against the
-// mma.sync kernel's 0.213; RESULTS.md, nineteenth session).
+// 8,16,2048,64 forward kernel: 0.133 ms against the mma.sync kernel's 0.199; RESULTS.md, nineteenth
+// session). One block a (sequence, head, time segment), two warpgroups: a producer that stages the
+// chunks and writes the operands below, a consumer that runs the products (see the kernel).
 //
 // TF32 wgmma reads its shared-memory operands K-major only (no transposed view, as 16-bit wgmma
 // has), so each product takes its operands as follows:
@@ -18,8 +18,7 @@
 //             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
 //   B^T Cc    A: B^T, written from the staged B each chunk (rows e, K = time along them); B: Cc^T
 //
-// so the state's sums run beside the scores and A S, on operands all in shared memory at the
-// chunk's start. 3xTF32 makes each product three: head x head + head x tail + tail x head (tail x
+// so every operand but P is a tile the producer writes. 3xTF32 makes each product three: head x head + head x tail + tail x head (tail x
 // tail dropped). A head is the float32 operand as it is (the tensor core ignores its 13 low bits:
 // it truncates to TF32), a tail x - trunc(x) (exact in float32; tensorcore_product.cuh's split),
 // written beside the staged tiles each chunk (A's and B's tails, B^T's, Cc^T's, S^T's) or kept in
@@ -49,7 +48,7 @@ namespace cuda {
 namespace wgmma_tf32 {
 
 constexpr int C = 64;               // timesteps a chunk; the state's rows and columns, zero-padded
-constexpr int kThreads = 128;       // one warpgroup
+constexpr int kThreads = 128;       // a warpgroup (a block: the producer's and the consumer's)
 constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
 constexpr int kDepth = 2;           // chunks staged
 // Tiles: stage slot s holds A, B and Cc at 3 s, 3 s + 1, 3 s + 2; then the derived tiles.
@@ -139,6 +138,16 @@ struct RegisterOperand {  // A from registers
   __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.tail[s], b, acc); }
 };
 
+// Named barriers (0 is __syncthreads): the producer's announcements and the consumer's releases
+// (both warpgroups: the one arrives, the other waits), and each warpgroup's own.
+enum Barrier : int { kAbFull = 1, kAbFree, kTFull, kTFree, kConsumers, kProducers };
+__device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // One operand's rows as this thread copies them (Stager): the next chunk's first row of this
 // thread's pieces, the step between them (8 rows), and whether its columns lie inside the operand.
 struct Source {
@@ -198,8 +207,18 @@ struct Stager {
 // B^T Cc alone. Da and Dc up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user
 // allowed it: KernelParams::tf32; a runtime switch between the products made ptxas wait for the
 // accumulators between every two).
+//
+// Two warpgroups with their own roles (one warpgroup doing both issued 2300 instructions a chunk,
+// one warp a scheduler at 5 cycles each: H200 ncu, 8,16,2048,64, nineteenth session):
+//  - the consumer (warpgroup 0) runs the products: A B^T and A S (the first batch), builds P, then
+//    P Cc and the state's sums (the second), writes the outputs and adds the sums to S;
+//  - the producer (warpgroup 1) stages the raw chunks (cp.async, two slots) and writes the derived
+//    tiles: A's and B's tails once the consumer's first batch of the chunk before has run (kAbFree),
+//    B^T and Cc^T (heads and tails) once its second has (kTFree); so the next chunk's tiles are
+//    written while this chunk's products run. Each set is announced by its own barrier (kAbFull,
+//    kTFull: named barriers of both warpgroups, the producer arriving, the consumer waiting).
 template <Pass P, bool kSplit>
-__global__ void __launch_bounds__(wgmma_tf32::kThreads, 1)
+__global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma_tf32;
@@ -214,56 +233,28 @@ __global__ void __launch_bounds__(wgmma_tf32::kThreads, 1)
   auto word = [&](int which, int r, int c) -> float& {
     return *reinterpret_cast<float*>(wgmma_smem + which * kTile + offset_of(r, c));
   };
-  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
-
   const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc);
   const Operands<P, float, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
-  const Stager stage(tid, p.rows_are_vectors);
-  Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da);
-  Source b_src = stage.source(ops.b_rows(), work.seg_begin, Da);
-  Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, work.m0);
-  auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step a chunk each
-    if (it < chunks) {
-      const int n = work.chunk_len(work.seg_begin + it * C, C);
-      if (!state_only) stage(tile(3 * slot), a_src, ops.a_rows().ptr, n);
-      stage(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
-      stage(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
-    }
-    wgmma::StageRing<kDepth>::commit_copies();
-  };
 
-  // The state S lives in shared memory as the copy A S reads: S^T (row m, column e), its head the
-  // float32 state itself (the master: registers held no more), its tail beside. This thread keeps
-  // (and alone reads and writes) the elements of an accumulator's layout: row e = 16 warp + g
-  // (+8), column m = m0 + 8 j + 2 q4 (+1), element 4 j .. of a 32-float array.
-  auto state = [&](int i) -> float& {
-    return word(kStHead, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
-  };
-  auto state_tail = [&](int i) -> float& {
-    return word(kStTail, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
-  };
-  {
-    float start[32];  // the segment's start (read after the first chunk's barrier)
-    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, 0, work.m0);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      state(i) = start[i];
-      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(start[i]));
-    }
-  }
-
-  const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
-  issue(0, 0);
-  wgmma::StageRing<kDepth> ring;
-  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    ring.arrive();
-    const uint32_t at = tile(3 * ring.slot), bt = at + kTile;
-    const int ct = 3 * ring.slot + 2;
-    // The derived tiles: B^T and Cc^T (a warp: 32 consecutive timesteps, one row of the transpose
-    // each; both the reads and the writes conflict-free), and A's and B's tails in their heads'
-    // places.
+  if (threadIdx.x >= kThreads) {  // the producer
+    const int tid = threadIdx.x - kThreads;
+    const Stager stage(tid, p.rows_are_vectors);
+    Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da);
+    Source b_src = stage.source(ops.b_rows(), work.seg_begin, Da);
+    Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, work.m0);
+    auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into slot it % 2: the sources step a chunk each
+      if (it < chunks) {
+        const int n = work.chunk_len(work.seg_begin + it * C, C), slot = int(it % kDepth);
+        if (!state_only) stage(tile(3 * slot), a_src, ops.a_rows().ptr, n);
+        stage(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
+        stage(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
+      }
+      wgmma::StageRing<kDepth>::commit_copies();
+    };
+    // a transposed tile, heads and tails (a warp: 32 consecutive timesteps, one row of the
+    // transpose each; both the reads and the writes conflict-free)
     auto transpose = [&](int from, int head, int tail) {
       const int s = tid % 64;
 #pragma unroll
@@ -278,95 +269,155 @@ __global__ void __launch_bounds__(wgmma_tf32::kThreads, 1)
         }
       }
     };
-    transpose(ct, kCtHead, kCtTail);
-    transpose(ct - 1, kBtHead, kBtTail);
-    if (kSplit && !state_only) {
+    issue(0);
+    for (int64_t it = 0; it < chunks; ++it) {
+      const int slot = int(it % kDepth);
+      // The slot of chunk it - 1 takes chunk it + 1 once the consumer's first batch has read its
+      // A and B and every thread here has transposed its B and Cc (the barrier holds both; in
+      // state-only blocks, which read no A, this warpgroup's own).
+      if (it > 0 && state_only) named_sync(kProducers, kThreads);
+      if (it > 0 && !state_only) named_sync(kAbFree);
+      issue(it + 1);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // chunk it, this thread's copies
+      named_sync(kProducers, kThreads);                        // every thread's
+      if (!state_only) {  // A's and B's tails, in their heads' places
+        if constexpr (kSplit) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const uint32_t offset = stage.piece0 + 1024 * i;
+          for (int i = 0; i < 8; ++i) {
+            const uint32_t offset = stage.piece0 + 1024 * i;
 #pragma unroll
-        for (int which = 0; which < 2; ++which) {
-          const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * ring.slot + which) * kTile + offset);
-          *reinterpret_cast<uint4*>(wgmma_smem + (kATail + which) * kTile + offset) =
-              make_uint4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
-        }
-      }
-    }
-    wgmma::fence_shared_writes();
-    __syncthreads();  // the derived tiles, written by every warp
-
-    const int64_t t0 = work.seg_begin + it * C;
-    // score, out and the state's sums (see the file's comment): set by their first products
-    float score[32], out[32], sums[32];
-    // The state's sums (B^T Cc) go behind P Cc: in flight while P is built they were read by the
-    // spills of its registers, and ptxas serialized every wgmma of the kernel (C7514; H200
-    // 8,16,2048,64 forward 0.291 ms against the prototype's 0.131).
-    const auto state_sums = [&] {
-      times<kSplit>(sums, TileOperand{tile(kBtHead), tile(kBtTail)}, tile(kCtHead), tile(kCtTail), false);
-      commit();
-    };
-    if (state_only) {
-      fence();
-      state_sums();
-      issue(it + 1, ring.refill());
-    } else {
-      fence();
-      times<kSplit>(score, TileOperand{at, tile(kATail)}, bt, tile(kBTail), false);            // A B^T
-      times<kSplit>(out, TileOperand{at, tile(kATail)}, tile(kStHead), tile(kStTail), false);  // A S
-      commit();
-      issue(it + 1, ring.refill());
-      wait<0>();
-      // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of n-tile
-      // s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two shuffles
-      // bring both: lane j of the quad sends element j / 2 first and the other second, and an
-      // even lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2 + q4 / 2
-      // (four shuffles, each a chosen element, were the same in twice the instructions).
-      SplitFragments pf;
-      const bool odd = q4 % 2, upper = q4 / 2;
-      const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-          const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
-          const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
-          const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
-          const int row = 16 * warp + g + 8 * h;
-          pf.set(s, h, 8 * s + q4 <= row ? (odd ? y : x) : 0.f);          // column q4
-          pf.set(s, h + 2, 8 * s + q4 + 4 <= row ? (odd ? x : y) : 0.f);  // column q4 + 4
-        }
-      fence();
-      times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
-      commit();
-      state_sums();
-      wait<1>();  // P Cc; the state's sums may still run
-      const int n = work.chunk_len(t0, C), row = 16 * warp + g;
-      float* to = ops.out + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
-      const int64_t to_h = 8 * ops.out_l;
-      auto stores = [&](auto store) {  // (no branches: each a predicated store)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (row + 8 * h < n && 8 * j + 2 * q4 < work.cols) {  // cols: a multiple of 4
-              store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
+            for (int which = 0; which < 2; ++which) {
+              const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * slot + which) * kTile + offset);
+              *reinterpret_cast<uint4*>(wgmma_smem + (kATail + which) * kTile + offset) =
+                  make_uint4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
             }
           }
-      };
-      if (stage.vectors) {
-        stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
-      } else {
-        stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
+        }
+        wgmma::fence_shared_writes();  // (the cp.async copies and the tails, to wgmma)
+        named_arrive(kAbFull);
       }
+      if (it > 0) named_sync(kTFree);  // the consumer's second batch has read B^T and Cc^T
+      transpose(3 * slot + 1, kBtHead, kBtTail);
+      transpose(3 * slot + 2, kCtHead, kCtTail);
+      wgmma::fence_shared_writes();
+      named_arrive(kTFull);
     }
-    wait<0>();
-    if (!state_only) __syncthreads();  // every warp's wgmma has read the state's copy
+    return;
+  }
+
+  // The consumer.
+  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
+  // The state S lives in shared memory as the copy A S reads: S^T (row m, column e), its head the
+  // float32 state itself (the master: registers held no more), its tail beside. This thread keeps
+  // (and alone reads and writes) the elements of an accumulator's layout: row e = 16 warp + g
+  // (+8), column m = m0 + 8 j + 2 q4 (+1), element 4 j .. of a 32-float array.
+  auto state = [&](int i) -> float& {
+    return word(kStHead, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  };
+  auto state_tail = [&](int i) -> float& {
+    return word(kStTail, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  };
+  auto publish = [&] {  // this thread's part of S^T written, seen by the warpgroup's wgmma
+    wgmma::fence_shared_writes();
+    named_sync(kConsumers, kThreads);
+  };
+  {
+    float start[32];  // the segment's start
+    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, 0, work.m0);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      state(i) = start[i];
+      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(start[i]));
+    }
+    publish();
+  }
+
+  // S += the sums, rounded in float32 (every wgmma reading S^T has run: the first batch before
+  // the barrier kTFull, the second before this), and published for the next chunk's A S
+  auto add_to_state = [&](const float (&sums)[32]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const float x = state(i) + sums[i];
       state(i) = x;
       if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(x));
     }
+    publish();
+  };
+  const auto state_sums = [&](float (&sums)[32]) {  // B^T Cc
+    times<kSplit>(sums, TileOperand{tile(kBtHead), tile(kBtTail)}, tile(kCtHead), tile(kCtTail), false);
+  };
+  if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
+    for (int64_t it = 0; it < chunks; ++it) {
+      float sums[32];
+      named_sync(kTFull);
+      fence();
+      state_sums(sums);
+      commit();
+      wait<0>();
+      if (it + 1 < chunks) named_arrive(kTFree);
+      add_to_state(sums);
+    }
+  }
+  const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
+  for (int64_t it = 0; it < (state_only ? 0 : chunks); ++it) {
+    const bool more = it + 1 < chunks;  // the producer waits for this chunk's reads to end
+    const uint32_t at = tile(3 * int(it % kDepth)), bt = at + kTile;
+    // score, out and the state's sums (see the file's comment): set by their first products
+    float score[32], out[32], sums[32];
+    named_sync(kAbFull);
+    fence();
+    times<kSplit>(score, TileOperand{at, tile(kATail)}, bt, tile(kBTail), false);            // A B^T
+    times<kSplit>(out, TileOperand{at, tile(kATail)}, tile(kStHead), tile(kStTail), false);  // A S
+    commit();
+    wait<0>();
+    if (more) named_arrive(kAbFree);
+    // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of n-tile
+    // s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two shuffles
+    // bring both: lane j of the quad sends element j / 2 first and the other second, and an even
+    // lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2 + q4 / 2 (four
+    // shuffles, each a chosen element, were the same in twice the instructions).
+    SplitFragments pf;
+    const bool odd = q4 % 2, upper = q4 / 2;
+    const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // rows g, g + 8
+        const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
+        const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
+        const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
+        const int row = 16 * warp + g + 8 * h;
+        pf.set(s, h, 8 * s + q4 <= row ? (odd ? y : x) : 0.f);          // column q4
+        pf.set(s, h + 2, 8 * s + q4 + 4 <= row ? (odd ? x : y) : 0.f);  // column q4 + 4
+      }
+    named_sync(kTFull);
+    fence();
+    times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
+    state_sums(sums);
+    commit();
+    wait<0>();
+    if (more) named_arrive(kTFree);
+
+    const int64_t t0 = work.seg_begin + it * C;
+    const int n = work.chunk_len(t0, C), row = 16 * warp + g;
+    float* to = ops.out + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
+    const int64_t to_h = 8 * ops.out_l;
+    auto stores = [&](auto store) {  // (no branches: each a predicated store)
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          if (row + 8 * h < n && 8 * j + 2 * q4 < work.cols) {  // cols: a multiple of 4
+            store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
+          }
+        }
+    };
+    if (p.rows_are_vectors) {
+      stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
+    } else {
+      stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
+    }
+    add_to_state(sums);
   }
   float end[32];
 #pragma unroll
