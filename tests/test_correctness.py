@@ -508,17 +508,15 @@ def test_float32_head_dim_256_takes_the_measured_families(wave, device):
 
 @pytest.mark.parametrize("device", [p for p in DEVICES if p != "cpu"])
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
-def test_float32_on_tensor_cores_follows_torch_tf32_setting(allow_tf32, device, use_kernel):
-    """float32 on the tensor-core kernels is exact float32 (3xTF32) unless the user has allowed TF32
-    for float32 matmuls, as torch.matmul does; then one TF32 product a step, TF32-level error."""
-    use_kernel("tensorcore")
-    q, k, v = make_inputs(2, 3, 200, 64, 64, dtype=torch.float32, device=device)
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
-        out = fast_causal_attn.causal_linear_attention(q, k, v)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+@pytest.mark.parametrize("kernel", ["tensorcore", None], ids=["mma.sync", "default"])
+def test_float32_on_tensor_cores_follows_torch_tf32_setting(kernel, allow_tf32, device, use_kernel, monkeypatch):
+    """float32 on the tensor-core kernels (mma.sync forced, or the default: the wgmma kernel on
+    sm_90a builds) is exact float32 (3xTF32) unless the user has allowed TF32 for float32 matmuls,
+    as torch.matmul does; then one TF32 product a step, TF32-level error."""
+    use_kernel(kernel)
+    q, k, v = make_inputs(2, 3, 500, 64, 64, dtype=torch.float32, device=device)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
+    out = fast_causal_attn.causal_linear_attention(q, k, v)
     error = relative_error(out, reference(q, k, v))
     if allow_tf32:
         assert 1e-5 < error <= 5e-3, f"relative error {error:.3g}: not what one TF32 product a step gives"
