@@ -3,6 +3,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 #include "wgmma_product.cuh"
 #include "wgmma_tf32_product.cuh"
