@@ -70,8 +70,15 @@ __device__ __forceinline__ uint64_t k_step(uint64_t tile_descriptor, int s) {
   return tile_descriptor + uint64_t(((s / 4) * 8192 + 32 * (s % 4)) / 16);
 }
 
-__device__ __forceinline__ uint32_t head_of(float x) { return __float_as_uint(x) & 0xffffe000u; }
-__device__ __forceinline__ uint32_t tail_of(float x) { return __float_as_uint(x - __uint_as_float(head_of(x))); }
+// x's TF32 head and exact tail: tensorcore_product.cuh's split (why truncated, what it costs).
+__device__ __forceinline__ void split(float x, uint32_t& head, uint32_t& tail) {
+  tensorcore::MmaTraits<float>::split(x, head, tail);
+}
+__device__ __forceinline__ float tail_of(float x) {
+  uint32_t head, tail;
+  split(x, head, tail);
+  return __uint_as_float(tail);
+}
 
 #define FCA_TF32_D32(d)                                                                                          \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
@@ -105,7 +112,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
 // An A operand in registers, K = 64 (eight k8 steps), split into heads and tails.
 struct SplitFragments {
   uint32_t head[8][4], tail[8][4];
-  __device__ __forceinline__ void set(int s, int r, float x) { head[s][r] = head_of(x), tail[s][r] = tail_of(x); }
+  __device__ __forceinline__ void set(int s, int r, float x) { split(x, head[s][r], tail[s][r]); }
 };
 
 // d (+)= A B^T over K = 64, B a K-major tile (its head) with its tail `b_tail` (kTile bytes on
@@ -265,7 +272,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           word(head, 4 * group + e, s) = xs[e];
-          if constexpr (kSplit) word(tail, 4 * group + e, s) = __uint_as_float(tail_of(xs[e]));
+          if constexpr (kSplit) word(tail, 4 * group + e, s) = tail_of(xs[e]);
         }
       }
     };
@@ -288,8 +295,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 #pragma unroll
             for (int which = 0; which < 2; ++which) {
               const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * slot + which) * kTile + offset);
-              *reinterpret_cast<uint4*>(wgmma_smem + (kATail + which) * kTile + offset) =
-                  make_uint4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
+              *reinterpret_cast<float4*>(wgmma_smem + (kATail + which) * kTile + offset) =
+                  make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
             }
           }
         }
@@ -327,7 +334,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       state(i) = start[i];
-      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(start[i]));
+      if constexpr (kSplit) state_tail(i) = tail_of(start[i]);
     }
     publish();
   }
@@ -339,7 +346,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     for (int i = 0; i < 32; ++i) {
       const float x = state(i) + sums[i];
       state(i) = x;
-      if constexpr (kSplit) state_tail(i) = __uint_as_float(tail_of(x));
+      if constexpr (kSplit) state_tail(i) = tail_of(x);
     }
     publish();
   };
