@@ -21,9 +21,9 @@ EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA"
                                   reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
 
 
-def training_step_kernels(B, H, dtype):
-    """The kernels of a forward and backward of a plain call at (B, H, 200, 64, 64)."""
-    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, 200, 64, 64, dtype=dtype, device="cuda"))
+def training_step_kernels(B, H, dtype, L=200):
+    """The kernels of a forward and backward of a plain call at (B, H, L, 64, 64)."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, 64, 64, dtype=dtype, device="cuda"))
 
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_dot_product(q, k, v)
@@ -195,14 +195,20 @@ def tf32_kernels(names):
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     """float32 at E = M = 64: at any count of pairs the forward and dq run on the float32 wgmma kernel
-    (Pass 0 and 1), 3xTF32, or TF32 alone where the user allowed it (torch's flag), and dk with dv
-    on the mma.sync kernels; FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it is not taken."""
+    (Pass 0 and 1), 3xTF32, or TF32 alone where the user allowed it (torch's flag); dk and dv as its
+    two reverse passes (Pass 2 and 3) where they need no time segments (200 steps: too short for
+    two at any count of pairs; 2048 steps with as many pairs as multiprocessors), else on the fused
+    mma.sync pass (Pass 4: 2048 steps, 6 pairs); FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it
+    is not taken."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
-    for B, H in ((1, 1), (2, 3), (1, sms), (2, sms)):
-        names = training_step_kernels(B, H, torch.float32)
-        assert tf32_kernels(names) == {("0", not allow_tf32), ("1", not allow_tf32)}, (B, H, names)
-        assert any("tensorcore_product_kernel" in n and "Pass)4" in n for n in names), (B, H, names)
+    for B, H, L, fused in ((1, 1, 200, False), (2, 3, 200, False), (1, sms, 200, False), (2, sms, 200, False),
+                           (1, sms, 2048, False), (2, 3, 2048, True)):
+        names = training_step_kernels(B, H, torch.float32, L)
+        passes = range(2) if fused else range(4)
+        assert tf32_kernels(names) == {(str(i), not allow_tf32) for i in passes}, (B, H, L, names)
+        on_mma_sync = any("tensorcore_product_kernel" in n and "Pass)4" in n for n in names)
+        assert on_mma_sync == fused, (B, H, L, names)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
     assert not any("wgmma" in n for n in training_step_kernels(2, 3, torch.float32))
     monkeypatch.delenv("FAST_CAUSAL_ATTN_WGMMA")
@@ -214,16 +220,20 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
 
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("grad_kv", ["default", "two passes"])
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 @pytest.mark.parametrize("segments", ["1", "3", "8"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 4, 64), (3, 2, 64, 64, 12),
                                    (1, 1, 65, 36, 60)], ids=shape_id)
-def test_float32_plain(shape, layout, segments, wgmma, monkeypatch):
-    """float32's forward and dq on the wgmma kernel (dk and dv on mma.sync) in 1, 3 or 8 time
-    segments, whole and partial last chunks, E != M, both layouts, two scales: within float32's
-    1e-5 of float64, as on mma.sync."""
+def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
+    """float32's forward, dq, dk and dv on the wgmma kernel (or on mma.sync) in 1, 3 or 8 time
+    segments (dk and dv in the default's choice, or as two reverse passes: on wgmma in segments
+    too), whole and partial last chunks, E != M, both layouts, two scales: within float32's 1e-5 of
+    float64, as on mma.sync."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    if grad_kv == "two passes":
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)

@@ -106,7 +106,8 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
 // family, so that their tests keep testing them).
 template <Pass P, typename scalar_t>
 ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr ((kWgmmaInput<scalar_t> || std::is_same_v<scalar_t, float>) && (P == Pass::Forward || P == Pass::GradQ)) {
+  if constexpr ((kWgmmaInput<scalar_t> && (P == Pass::Forward || P == Pass::GradQ)) ||
+                (std::is_same_v<scalar_t, float> && P != Pass::GradKV)) {
     if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
       return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
     }
@@ -157,6 +158,13 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 //    wgmma_grad_kv_wide_kernel: the state dO^T q feeds both gradients; bf16 8,16,2048,64 kernel
 //    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync
 //    passes' 326; RESULTS.md, seventeenth and eighteenth sessions);
+//  - float32 on Hopper's wgmma, E, M <= 64, where wgmma_takes: two reverse passes of the float32
+//    wgmma kernel (GradK, GradV) where the pairs fill the multiprocessors without time segments,
+//    else the fused mma.sync pass below. H200 fwd+bwd ms, CUDA graph replay, two wgmma passes /
+//    fused mma.sync (RESULTS.md, twentieth session, call 1): 8,16,2048,64 (128 pairs, one segment)
+//    0.567 / 0.642; 4,16,8192,64 (64 pairs, 2 segments) 1.418 / 1.362; 2,4,8192,64 (8 pairs)
+//    0.267 / 0.249. In segments each reverse pass runs its own state-only launch (0.11 ms of the
+//    0.38 at 4,16,8192), and the fused pass runs two blocks a multiprocessor to wgmma's one;
 //  - tensor cores, E, M <= 64 (Pass::GradKV, see tensorcore_product.cuh): faster than the two
 //    passes at every shape it takes (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368
 //    / 0.438, 4,16,8192,64 0.594 / 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 /
@@ -181,6 +189,13 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
     if (forced_family() == Family::Default && wgmma_takes<Pass::GradKV, scalar_t>(p, p.M, p.E)) {
       launch_wgmma<Pass::GradKV, scalar_t>(p, p.M, p.E, stream);
       return true;
+    }
+  }
+  if constexpr (std::is_same_v<scalar_t, float>) {  // float32 on wgmma: dk and dv as two reverse passes
+    if (!forced && forced_family() == Family::Default && wgmma_takes<Pass::GradK, scalar_t>(p, p.M, p.E) &&
+        wgmma_takes<Pass::GradV, scalar_t>(p, p.E, p.M) &&
+        wgmma_segments(p, p.num_seqs * p.H, wgmma_tf32::kSmemBytes) == 1) {
+      return false;
     }
   }
   if constexpr (kTensorCoreInput<scalar_t>) {

@@ -22,9 +22,10 @@ bool device_runs_sm90a();
 // no normalize, no states in or out, and
 //  - bfloat16 or float16: the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with
 //    the dk pass's Da = M, Dc = E), Da and Dc up to 128 in whole 16-byte vectors;
-//  - float32: the forward and dq, Da and Dc up to 64 in whole 16-byte vectors (dk and dv keep the
-//    mma.sync kernels). Faster than mma.sync at every shape measured (H200, forward kernel ms and
-//    fwd+bwd CUDA graph replay ms, wgmma / mma.sync; RESULTS.md, nineteenth session):
+//  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
+//    up to 64 in whole 16-byte vectors. The forward and dq were faster than mma.sync at every
+//    shape measured (H200, forward kernel ms and fwd+bwd CUDA graph replay ms, wgmma / mma.sync;
+//    RESULTS.md, nineteenth session):
 //      8,16,2048,64  0.133 / 0.199, 0.643 / 0.723;  4,16,8192,64 (segments) 0.371 / 0.392, 1.355 / 1.418
 //      2,4,8192,64 (segments) 0.059 / 0.075, 0.248 / 0.274
 //    (its first form, one warpgroup doing the staging and the products, was as slow as mma.sync or
@@ -48,8 +49,9 @@ template <Pass P, typename scalar_t>
 bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 #if defined(FAST_CAUSAL_ATTN_SM90A)
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  if constexpr (!(kWgmmaInput<scalar_t> || kFloat) || (P != Pass::Forward && P != Pass::GradQ && P != Pass::GradKV) ||
-                (kFloat && P == Pass::GradKV)) {
+  // (float32: every pass of its own, dk and dv as two reverse passes; 16-bit: dk and dv in one)
+  if constexpr (!(kWgmmaInput<scalar_t> || kFloat) || (kFloat && P == Pass::GradKV) ||
+                (!kFloat && P != Pass::Forward && P != Pass::GradQ && P != Pass::GradKV)) {
     return false;
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
@@ -67,6 +69,27 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
   (void)p, (void)Da, (void)Dc;
   return false;
 #endif
+}
+
+// The time segments of a wgmma launch of `blocks` blocks of `smem` bytes each: until the blocks
+// fill the multiprocessors once. Where that takes segments at all, and two blocks fit a
+// multiprocessor (the 16-bit forward and dq at E, M <= 64: 97 KB), until they fill them twice,
+// each segment 8 chunks or longer: bf16 4,16,8192,64 (64 pairs) forward kernels 0.119 ms in 2
+// segments, 0.105 in 4, dq 0.083 -> 0.073; 1,16,8192,64 (16 pairs) forward 0.040 in 8, 0.037 in
+// 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32 of 4: forward
+// 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a multiprocessor:
+// at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
+// 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
+// two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
+inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
+  using wgmma::C;
+  if (p.cu_seqlens != nullptr) return 1;
+  const int64_t sms = multiprocessor_count();
+  int64_t segments = choose_segments(blocks, sms / blocks * blocks, p.L, kMinChunksPerSegment * C);
+  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
+    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
+  }
+  return segments;
 }
 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
@@ -91,7 +114,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
   const auto kernel = [atoms, groups, wide, tf32 = p.tf32] {
     if constexpr (kFloat) {
-      static_assert(P != Pass::GradKV, "float32's dk and dv keep the mma.sync kernels");
+      static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // Da, Dc <= 64: one atom, one warpgroup; 3xTF32, or TF32 where the user allowed it
       return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
     } else if constexpr (P == Pass::GradKV) {
@@ -116,21 +139,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return {};
     }
   }
-  // Segments until the blocks fill the multiprocessors once. Where that takes segments at all, and
-  // two blocks fit a multiprocessor (the forward and dq at E, M <= 64: 97 KB), until they fill
-  // them twice, each segment 8 chunks or longer: bf16 4,16,8192,64 (64 pairs) forward kernels
-  // 0.119 ms in 2 segments, 0.105 in 4, dq 0.083 -> 0.073; 1,16,8192,64 (16 pairs) forward 0.040
-  // in 8, 0.037 in 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32
-  // of 4: forward 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a
-  // multiprocessor: at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md,
-  // eighteenth session, call 4); so does float32's forward and dq (192 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in two
-  // segments was not measured since the swizzled staging (before it, slower: sixteenth session).
-  const int64_t sms = multiprocessor_count();
-  int64_t segments = p.cu_seqlens != nullptr ? 1 : choose_segments(blocks, sms / blocks * blocks, p.L,
-                                                                   kMinChunksPerSegment * C);
-  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
-    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
-  }
+  const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);

@@ -181,7 +181,8 @@ struct Stager {
     return Source{x.ptr + (first + row0) * x.stride + col0 + (inside ? col : 0), 8 * x.stride, inside};
   }
   // The chunk of n rows at src.next into `tile` as cp.async copies, zeros past n; `any`: a valid
-  // address of the operand (the zero copies' source). Then src steps a chunk on.
+  // address of the operand (the zero copies' source). Then src steps a chunk on (back: kBack).
+  template <bool kBack>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const float* any, int n) const {
     if (vectors) {
 #pragma unroll
@@ -202,7 +203,7 @@ struct Stager {
                      : "memory");
       }
     }
-    src.next += 8 * src.piece_step;
+    src.next += kBack ? -8 * src.piece_step : 8 * src.piece_step;
   }
 };
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -232,7 +233,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   using wgmma::commit;
   using wgmma::fence;
   using wgmma::wait;
-  static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
+  static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
+  constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
@@ -244,19 +246,21 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   const Operands<P, float, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
+  auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
 
   if (threadIdx.x >= kThreads) {  // the producer
     const int tid = threadIdx.x - kThreads;
     const Stager stage(tid, p.rows_are_vectors);
-    Source a_src = stage.source(ops.a_rows(), work.seg_begin, Da);
-    Source b_src = stage.source(ops.b_rows(), work.seg_begin, Da);
-    Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, work.m0);
+    const int64_t first = chunk_begin(0);
+    Source a_src = stage.source(ops.a_rows(), first, Da);
+    Source b_src = stage.source(ops.b_rows(), first, Da);
+    Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
     auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into slot it % 2: the sources step a chunk each
       if (it < chunks) {
-        const int n = work.chunk_len(work.seg_begin + it * C, C), slot = int(it % kDepth);
-        if (!state_only) stage(tile(3 * slot), a_src, ops.a_rows().ptr, n);
-        stage(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
-        stage(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
+        const int n = work.chunk_len(chunk_begin(it), C), slot = int(it % kDepth);
+        if (!state_only) stage.operator()<kReverse>(tile(3 * slot), a_src, ops.a_rows().ptr, n);
+        stage.operator()<kReverse>(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
+        stage.operator()<kReverse>(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
       }
       wgmma::StageRing<kDepth>::commit_copies();
     };
@@ -394,8 +398,9 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
         const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
         const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
         const int row = 16 * warp + g + 8 * h;
-        pf.set(s, h, 8 * s + q4 <= row ? (odd ? y : x) : 0.f);          // column q4
-        pf.set(s, h + 2, 8 * s + q4 + 4 <= row ? (odd ? x : y) : 0.f);  // column q4 + 4
+        auto kept = [row](int column) { return kReverse ? column >= row : column <= row; };
+        pf.set(s, h, kept(8 * s + q4) ? (odd ? y : x) : 0.f);          // column q4
+        pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
       }
     named_sync(kTFull);
     fence();
@@ -405,7 +410,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     wait<0>();
     if (more) named_arrive(kTFree);
 
-    const int64_t t0 = work.seg_begin + it * C;
+    const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C), row = 16 * warp + g;
     float* to = ops.out + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
@@ -429,7 +434,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   float end[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) end[i] = state(i);
-  wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state,
+  wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
                    Da, Dc, 0, work.m0);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
