@@ -1,6 +1,7 @@
-// The forward and dq of float32 on Hopper's wgmma (sm_90a), in 3xTF32 (float32-accurate; the
-// heads alone where the user allowed TF32, KernelParams::tf32), the state's rows and columns up to
-// 64, without normalize: wgmma_product.cuh's products, per chunk of C = 64 timesteps
+// Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
+// reverse passes (where run_grad_kv takes them), in 3xTF32 (float32-accurate; the heads alone
+// where the user allowed TF32, KernelParams::tf32), the state's rows and columns up to 64, without
+// normalize: wgmma_product.cuh's products, per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
@@ -210,9 +211,9 @@ struct Stager {
 
 }  // namespace wgmma_tf32
 
-// The forward and dq of float32 (wgmma_takes): one block a (sequence, head, time segment), from
-// the segment's start; state-only blocks (launch_segmented's first launch) sum their segment's
-// B^T Cc alone. Da and Dc up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user
+// One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
+// segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
+// state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user
 // allowed it: KernelParams::tf32; a runtime switch between the products made ptxas wait for the
 // accumulators between every two).
 //
