@@ -213,9 +213,10 @@ struct Stager {
 
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
-// state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user
-// allowed it: KernelParams::tf32; a runtime switch between the products made ptxas wait for the
-// accumulators between every two).
+// state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
+// up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user allowed it:
+// KernelParams::tf32; a runtime switch between the products made ptxas wait for the accumulators
+// between every two).
 //
 // Two warpgroups with their own roles (one warpgroup doing both issued 2300 instructions a chunk,
 // one warp a scheduler at 5 cycles each: H200 ncu, 8,16,2048,64, nineteenth session):
