@@ -19,11 +19,11 @@
 //             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
 //   B^T Cc    A: B^T, written from the staged B each chunk (rows e, K = time along them); B: Cc^T
 //
-// so every operand but P is a tile the producer writes. 3xTF32 makes each product three: head x head + head x tail + tail x head (tail x
-// tail dropped). A head is the float32 operand as it is (the tensor core ignores its 13 low bits:
-// it truncates to TF32), a tail x - trunc(x) (exact in float32; tensorcore_product.cuh's split),
-// written beside the staged tiles each chunk (A's and B's tails, B^T's, Cc^T's, S^T's) or kept in
-// registers (P's).
+// so every operand but P is a tile the producer writes. 3xTF32 makes each product three: head x
+// head + head x tail + tail x head (tail x tail dropped). A head is the float32 operand as it is
+// (the tensor core ignores its 13 low bits: it truncates to TF32), a tail x - trunc(x) (exact in
+// float32; tensorcore_product.cuh's split), written beside the staged tiles each chunk (A's and
+// B's tails, B^T's, Cc^T's, S^T's) or kept in registers (P's).
 //
 // The tensor cores add into their accumulators without rounding to nearest: with S accumulated in
 // them, the prototype's error grew with the chunks summed (1.6e-6 at L = 64, 2.2e-5 at 4097, H200,
