@@ -106,8 +106,7 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
 // family, so that their tests keep testing them).
 template <Pass P, typename scalar_t>
 ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
-  if constexpr ((kWgmmaInput<scalar_t> && (P == Pass::Forward || P == Pass::GradQ)) ||
-                (std::is_same_v<scalar_t, float> && P != Pass::GradKV)) {
+  if constexpr (kWgmmaPass<P, scalar_t> && P != Pass::GradKV) {  // (GradKV: run_grad_kv)
     if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
       return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
     }

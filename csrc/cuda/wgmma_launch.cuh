@@ -15,6 +15,12 @@ namespace cuda {
 template <typename scalar_t>
 constexpr bool kWgmmaInput = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
 
+// The passes the wgmma kernels have, by dtype: 16-bit inputs the forward, dq, and dk with dv in one
+// pass (GradKV); float32 every pass of its own (dk and dv as two reverse passes, no GradKV).
+template <Pass P, typename scalar_t>
+constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> ? P == Pass::Forward || P == Pass::GradQ || P == Pass::GradKV
+                                                  : std::is_same_v<scalar_t, float> && P != Pass::GradKV;
+
 // Whether the device is of compute capability 9.0 (where an sm_90a binary runs), asked once per device.
 bool device_runs_sm90a();
 
@@ -49,9 +55,7 @@ template <Pass P, typename scalar_t>
 bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 #if defined(FAST_CAUSAL_ATTN_SM90A)
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
-  // (float32: every pass of its own, dk and dv as two reverse passes; 16-bit: dk and dv in one)
-  if constexpr (!(kWgmmaInput<scalar_t> || kFloat) || (kFloat && P == Pass::GradKV) ||
-                (!kFloat && P != Pass::Forward && P != Pass::GradQ && P != Pass::GradKV)) {
+  if constexpr (!kWgmmaPass<P, scalar_t>) {
     return false;
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
