@@ -75,8 +75,9 @@ struct ForwardParams {
   void* final_kv = nullptr;             // [num_seqs, H, E, M], written
   void* final_k_sum = nullptr;          // [num_seqs, H, E], written
 
-  // Keep the segment starts of a segmented forward for the backward (ForwardSegments in ops.h);
-  // otherwise they are freed with the launch.
+  // Keep the segment starts of a segmented forward for the backward (ForwardSegments in ops.h),
+  // or, in the backward, float32's dk pass's for its dv pass; otherwise they are freed with the
+  // launch.
   bool keep_segments = false;
 };
 
@@ -107,7 +108,8 @@ struct BackwardParams : ForwardParams {
   // The forward's segment starts (ForwardSegments in ops.h), or nullptr: with forward_segments > 1
   // time segments, the state S = sum k v^T before each, [num_seqs * H, segments, E, M], and the
   // key sum before each, [num_seqs * H, segments, E] (nullptr unless the forward tracked it).
-  // The dq pass's state is [S^T; z^T], so its segments may start from these.
+  // The dq pass's state is [S^T; z^T], so its segments may start from these. (launch_backward_cuda
+  // points the dv pass's copy of these at the dk pass's starts, dO^T q, where it kept them.)
   const void* forward_segment_kv = nullptr;
   const void* forward_segment_k_sum = nullptr;
   int64_t forward_segments = 0;

@@ -194,21 +194,16 @@ def tf32_kernels(names):
 @EXPECT_WGMMA
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
-    """float32 at E = M = 64: at any count of pairs the forward and dq run on the float32 wgmma kernel
-    (Pass 0 and 1), 3xTF32, or TF32 alone where the user allowed it (torch's flag); dk and dv as its
-    two reverse passes (Pass 2 and 3) where they need no time segments (200 steps: too short for
-    two at any count of pairs; 2048 steps with as many pairs as multiprocessors), else on the fused
-    mma.sync pass (Pass 4: 2048 steps, 6 pairs); FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it
-    is not taken."""
+    """float32 at E = M = 64: at any count of pairs and length every pass runs on the float32 wgmma
+    kernel (the forward, dq, and dk and dv as two reverse passes: Pass 0-3; 2048 steps on 6 pairs
+    in time segments), 3xTF32, or TF32 alone where the user allowed it (torch's flag), no mma.sync
+    kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it is not taken."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
-    for B, H, L, fused in ((1, 1, 200, False), (2, 3, 200, False), (1, sms, 200, False), (2, sms, 200, False),
-                           (1, sms, 2048, False), (2, 3, 2048, True)):
+    for B, H, L in ((1, 1, 200), (2, 3, 200), (1, sms, 200), (2, sms, 200), (1, sms, 2048), (2, 3, 2048)):
         names = training_step_kernels(B, H, torch.float32, L)
-        passes = range(2) if fused else range(4)
-        assert tf32_kernels(names) == {(str(i), not allow_tf32) for i in passes}, (B, H, L, names)
-        on_mma_sync = any("tensorcore_product_kernel" in n and "Pass)4" in n for n in names)
-        assert on_mma_sync == fused, (B, H, L, names)
+        assert tf32_kernels(names) == {(str(i), not allow_tf32) for i in range(4)}, (B, H, L, names)
+        assert not any("tensorcore_product_kernel" in n for n in names), (B, H, L, names)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
     assert not any("wgmma" in n for n in training_step_kernels(2, 3, torch.float32))
     monkeypatch.delenv("FAST_CAUSAL_ATTN_WGMMA")
@@ -216,6 +211,47 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     with cuda_kernels_launched() as names:
         torch.autograd.grad(fast_causal_attn.causal_dot_product(q, k, v).sum(), (q, k, v))
     assert not any("wgmma" in n for n in names), names
+
+
+def wgmma_tf32_launches(run):
+    """How many times each pass's float32 wgmma kernel launched in run() (the profiler's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        run()
+        torch.cuda.synchronize()
+    counts = {}
+    for e in profile.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and "wgmma_tf32_product_kernel" in e.name:
+            pass_ = e.name[e.name.index("Pass)") + 5]
+            counts[pass_] = counts.get(pass_, 0) + 1
+    return counts
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+def test_float32_grad_v_reads_grad_k_segments(monkeypatch):
+    """In time segments the dv pass starts from the dk pass's segment starts, transposed (dk's state
+    dO^T q is dv's q^T dO), as dq from the forward's: one launch for dv where dk has two (its
+    state-only launch, then the pass); the gradients match those of a dv pass that sums its own
+    (FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0, which the dq pass follows too) to float32 rounding, and the
+    reference."""
+    q, k, v = make_inputs(2, 3, 2048, 64, 48, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(v)
+
+    def grads():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves), leaves, grad_out)
+
+    assert wgmma_tf32_launches(grads) == {"0": 2, "1": 1, "2": 2, "3": 1}
+    reused = grads()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")
+    assert wgmma_tf32_launches(grads) == {"0": 2, "1": 2, "2": 2, "3": 2}
+    own = grads()
+    for name, x, y in zip(("grad_q", "grad_k", "grad_v"), reused, own):
+        assert relative_error(x, y) <= 1e-5, name
+    monkeypatch.delenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS")
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
 
 @CUDA

@@ -152,8 +152,18 @@ void launch_backward_cuda(const BackwardParams& params) {
   // fills one wave, and two of them side by side only share it; removed (benchmarks/RESULTS.md).
   run_grad_q_pass(p, stream);
   if (!run_grad_kv_pass(p, stream)) {
-    run_grad_k_pass(p, stream);
-    run_grad_v_pass(p, stream);
+    // dk keeps its segments' starts where it ran on the float32 wgmma kernel in segments, and dv
+    // reads them transposed (dk's state dO^T q is dv's q^T dO): one state-only launch and scan
+    // for both, as the dq pass reads the forward's
+    KernelParams dk = p, dv = p;
+    dk.keep_segments = true;
+    const ForwardSegments dk_starts = run_grad_k_pass(dk, stream);
+    if (dk_starts.kv.defined()) {
+      dv.forward_segment_kv = dk_starts.kv.data_ptr();
+      dv.forward_segment_k_sum = nullptr;
+      dv.forward_segments = dk_starts.count;
+    }
+    run_grad_v_pass(dv, stream);
   }
   if (!p.normalize && p.grad_initial_k_sum != nullptr) {  // the key sum passes straight through
     const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);

@@ -158,12 +158,12 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 //    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync
 //    passes' 326; RESULTS.md, seventeenth and eighteenth sessions);
 //  - float32 on Hopper's wgmma, E, M <= 64, where wgmma_takes: two reverse passes of the float32
-//    wgmma kernel (GradK, GradV) where the pairs fill the multiprocessors without time segments,
-//    else the fused mma.sync pass below. H200 fwd+bwd ms, CUDA graph replay, two wgmma passes /
-//    fused mma.sync (RESULTS.md, twentieth session, call 1): 8,16,2048,64 (128 pairs, one segment)
-//    0.567 / 0.642; 4,16,8192,64 (64 pairs, 2 segments) 1.418 / 1.362; 2,4,8192,64 (8 pairs)
-//    0.267 / 0.249. In segments each reverse pass runs its own state-only launch (0.11 ms of the
-//    0.38 at 4,16,8192), and the fused pass runs two blocks a multiprocessor to wgmma's one;
+//    wgmma kernel (GradK, GradV), dv from dk's segment starts (launch_backward_cuda), at every
+//    length. H200 fwd+bwd ms, CUDA graph replay, two wgmma passes / fused mma.sync (RESULTS.md,
+//    twenty-first session, call 1): 8,16,2048,64 (128 pairs, one segment) 0.573 / 0.645;
+//    4,16,8192,64 (64 pairs, 2 segments) 1.312 / 1.360; 2,4,8192,64 (8 pairs, 16 segments) 0.239
+//    / 0.249. (Before dv took dk's starts, each reverse pass ran its own state-only launch and
+//    scan, and the fused pass won in segments: 1.418 / 1.362, 0.267 / 0.249, twentieth session.)
 //  - tensor cores, E, M <= 64 (Pass::GradKV, see tensorcore_product.cuh): faster than the two
 //    passes at every shape it takes (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368
 //    / 0.438, 4,16,8192,64 0.594 / 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 /
@@ -192,8 +192,7 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   }
   if constexpr (std::is_same_v<scalar_t, float>) {  // float32 on wgmma: dk and dv as two reverse passes
     if (!forced && forced_family() == Family::Default && wgmma_takes<Pass::GradK, scalar_t>(p, p.M, p.E) &&
-        wgmma_takes<Pass::GradV, scalar_t>(p, p.E, p.M) &&
-        wgmma_segments(p, p.num_seqs * p.H, wgmma_tf32::kSmemBytes) == 1) {
+        wgmma_takes<Pass::GradV, scalar_t>(p, p.E, p.M)) {
       return false;
     }
   }
@@ -226,7 +225,7 @@ ForwardSegments run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
 // One compile unit each (csrc/cuda/pass_*.cu), so that builds run in parallel.
 ForwardSegments run_forward_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_q_pass(const KernelParams& p, cudaStream_t stream);
-void run_grad_k_pass(const KernelParams& p, cudaStream_t stream);
+ForwardSegments run_grad_k_pass(const KernelParams& p, cudaStream_t stream);  // dk's segment starts, where kept
 void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);
 bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream);  // false: run the two passes
 

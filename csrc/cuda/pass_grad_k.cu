@@ -4,7 +4,9 @@
 namespace fast_causal_attn {
 namespace cuda {
 
-void run_grad_k_pass(const KernelParams& p, cudaStream_t stream) { run_pass_for_dtype<Pass::GradK>(p, stream); }
+ForwardSegments run_grad_k_pass(const KernelParams& p, cudaStream_t stream) {
+  return run_pass_for_dtype<Pass::GradK>(p, stream);
+}
 
 }  // namespace cuda
 }  // namespace fast_causal_attn

@@ -1067,16 +1067,18 @@ inline bool rows_are_vectors(const KernelParams& p, int64_t element) {
          aligned(p.o) && aligned(p.dq) && aligned(p.dk) && aligned(p.dv);
 }
 
-// Whether the dq pass starts its segments from the forward's where it kept them (the default);
-// FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0 sums them again, for tests and measuring.
+// Whether the dq pass starts its segments from the forward's where it kept them (the default), and
+// float32's dv pass from the dk pass's; FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0 sums them again, for
+// tests and measuring.
 inline bool reuse_forward_segments() {
   const char* reuse = std::getenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS");
   return reuse == nullptr || std::strcmp(reuse, "0") != 0;
 }
 
 // The dq pass's segments and their starts from the forward's, where it kept them (read
-// transposed: no state-only launch, no scan); returns whether it takes them. step: the pass's
-// chunk length, whose multiples the forward's segments are.
+// transposed: no state-only launch, no scan), or float32's dv pass's from the dk pass's; returns
+// whether it takes them. step: the pass's chunk length, whose multiples the earlier pass's
+// segments are.
 inline bool take_forward_segments(KernelParams& p, int64_t step) {
   if (p.forward_segments <= 1 || p.cu_seqlens != nullptr || (p.normalize && p.forward_segment_k_sum == nullptr) ||
       !reuse_forward_segments()) {

@@ -134,7 +134,8 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
                                           : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups);
   const int64_t blocks = pairs * col_tiles;
-  if constexpr (P == Pass::GradQ) {
+  // dq from the forward's segment starts; float32's dv from dk's (launch_backward_cuda)
+  if constexpr (P == Pass::GradQ || (kFloat && P == Pass::GradV)) {
     if (take_forward_segments(p, C)) {
       if (!p.dry_run) {
         launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,
@@ -150,6 +151,9 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
+  }
+  if constexpr (kFloat && P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv
+    if (p.keep_segments && p.segments > 1) return {workspace.buffer, at::Tensor(), p.segments};
   }
   return {};
 }
