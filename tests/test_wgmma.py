@@ -1,12 +1,12 @@
 """The wgmma kernels (csrc/cuda/wgmma_product.cuh: the forward, dq, and dk with dv in one pass;
-bfloat16 and float16, E and M up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's forward and
-dq, E and M up to 64, 3xTF32 or TF32 where allowed; no normalize, no states in or out; on devices
-of compute capability 9.0 when the build's arch list holds 9.0a) against float64 and beside the
-mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere these calls take the other kernels and the tests
-still check the results. The tests that the kernels are taken where the dispatcher says run where
-FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build should have them (benchmarks/gpu_check.sh sets it
-with TORCH_CUDA_ARCH_LIST=9.0a). The rest of the suite meets them through conftest's default "cuda"
-entry."""
+bfloat16 and float16, E and M up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
+E and M up to 128 (above 64 in row and column tiles of 64), 3xTF32 or TF32 where allowed; no
+normalize, no states in or out; on devices of compute capability 9.0 when the build's arch list
+holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
+these calls take the other kernels and the tests still check the results. The tests that the
+kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
+build should have them (benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a). The rest
+of the suite meets them through conftest's default "cuda" entry."""
 import os
 
 import pytest
@@ -197,7 +197,8 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     """float32 at E = M = 64: at any count of pairs and length every pass runs on the float32 wgmma
     kernel (the forward, dq, and dk and dv as two reverse passes: Pass 0-3; 2048 steps on 6 pairs
     in time segments), 3xTF32, or TF32 alone where the user allowed it (torch's flag), no mma.sync
-    kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off; at E = 128 it is not taken."""
+    kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off. At E = M = 128, and at E = 128 with M = 64, every
+    pass runs on it too (the state's rows in two row tiles, their outputs summed)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     for B, H, L in ((1, 1, 200), (2, 3, 200), (1, sms, 200), (2, sms, 200), (1, sms, 2048), (2, 3, 2048)):
@@ -207,10 +208,12 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
     assert not any("wgmma" in n for n in training_step_kernels(2, 3, torch.float32))
     monkeypatch.delenv("FAST_CAUSAL_ATTN_WGMMA")
-    q, k, v = (x.requires_grad_() for x in make_inputs(1, 2, 100, 128, 128, dtype=torch.float32, device="cuda"))
-    with cuda_kernels_launched() as names:
-        torch.autograd.grad(fast_causal_attn.causal_dot_product(q, k, v).sum(), (q, k, v))
-    assert not any("wgmma" in n for n in names), names
+    for B, H, L, E, M in ((1, 2, 100, 128, 128), (2, sms, 300, 128, 128), (2, 3, 2048, 128, 64)):
+        q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda"))
+        with cuda_kernels_launched() as names:
+            torch.autograd.grad(fast_causal_attn.causal_dot_product(q, k, v).sum(), (q, k, v))
+        assert tf32_kernels(names) == {(str(i), not allow_tf32) for i in range(4)}, (B, H, L, E, M, names)
+        assert not any("tensorcore_product_kernel" in n or "recurrent" in n for n in names), (B, H, L, E, M, names)
 
 
 def wgmma_tf32_launches(run):
@@ -261,12 +264,14 @@ def test_float32_grad_v_reads_grad_k_segments(monkeypatch):
 @pytest.mark.parametrize("segments", ["1", "3", "8"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 4, 64), (3, 2, 64, 64, 12),
-                                   (1, 1, 65, 36, 60)], ids=shape_id)
+                                   (1, 1, 65, 36, 60), (1, 2, 300, 128, 128), (2, 1, 130, 100, 72),
+                                   (1, 1, 70, 40, 128)], ids=shape_id)
 def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
     """float32's forward, dq, dk and dv on the wgmma kernel (or on mma.sync) in 1, 3 or 8 time
     segments (dk and dv in the default's choice, or as two reverse passes: on wgmma in segments
-    too), whole and partial last chunks, E != M, both layouts, two scales: within float32's 1e-5 of
-    float64, as on mma.sync."""
+    too), whole and partial last chunks, E != M, head dims above 64 (two row tiles, a partial
+    one, column tiles), both layouts, two scales: within float32's 1e-5 of float64, as on
+    mma.sync."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     if grad_kv == "two passes":
         monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
@@ -274,6 +279,29 @@ def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("segments", ["1", "3"])
+def test_float32_row_tiles_are_deterministic(segments, monkeypatch):
+    """Above 64 rows of the state, the float32 wgmma kernel's two row tiles add their outputs into
+    the zeroed output in whichever order they finish: 0 + x + y rounds as 0 + y + x, so the
+    forward and the gradients repeat bit for bit (and the output buffers, NaN-filled when
+    allocated, are zeroed first)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(2, 8, 700, 128, 128, dtype=torch.float32, device="cuda")
+    grad_out = torch.randn_like(v)
+
+    def run():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = fast_causal_attn.causal_dot_product(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+    first = run()
+    for _ in range(3):
+        for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), first, run()):
+            assert torch.equal(x, y), name
 
 
 @CUDA

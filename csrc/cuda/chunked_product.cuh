@@ -164,8 +164,8 @@ __device__ __forceinline__ void accumulate_product(acc_t (&out)[TP][kVec], const
 }
 
 // What a block of a chunked kernel works on, from its index: grid.x = ((sequence * heads + head) *
-// column tiles + column tile) * segments + segment. Its (sequence, head), its nb columns of c
-// from m0, its time segment, and the flags of its pass.
+// column tiles + column tile) * segments + segment (with row tiles, see the constructor). Its
+// (sequence, head), its nb columns of c from m0, its time segment, and the flags of its pass.
 template <Pass P, typename scalar_t>
 struct BlockWork {
   using acc_t = at::opmath_type<scalar_t>;
@@ -174,17 +174,28 @@ struct BlockWork {
   Sequence seq;      // a batch entry, or one of the packed sequences
   int64_t m0;
   int cols;          // columns of c this block owns: min(nb, Dc - m0)
+  // The state's rows (a's and b's columns) this block owns from k0 on: all (k0 = 0), or with
+  // row_tiles > 1 a tile of `rows` (the float32 wgmma kernel: its blocks' outputs are summed)
+  int64_t k0 = 0;
   int64_t L;         // the sequence's timesteps
   int64_t den_row;   // the sequence's first row of den [B, H, L]
   int64_t seg_begin, seg_end;  // the segment's timesteps of the sequence
   bool state_only, extra_row, denominator, track_key_sum;
 
-  __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc) {
+  // With row tiles: grid.x = ((pair * row_tiles + row tile) * col_tiles + column tile) * segments
+  // + segment.
+  __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc, int64_t row_tiles = 1,
+                       int rows = 0) {
     int64_t index = blockIdx.x;
     piece = piece_of_block(p, index);
     segment = segment_of_block<P>(p, index);
     col_tile = index % col_tiles;
-    pair = index / col_tiles;
+    index /= col_tiles;
+    if (row_tiles > 1) {
+      k0 = (index % row_tiles) * rows;
+      index /= row_tiles;
+    }
+    pair = index;
     seq = Sequence::of(p, pair);
     m0 = col_tile * nb;
     cols = int(Dc - m0 < nb ? Dc - m0 : nb);

@@ -68,6 +68,8 @@ KernelParams with_state_io(const KernelParams& p) {
 //  - float32 (3xTF32), Da <= 64: tensor cores (sixth session: 8,16,2048,64: 1.12 / 2.71;
 //    4,16,8192,64: 2.08 / 5.68; 2,4,8192,64 (8 blocks, segments scanned): 0.41-0.56 / 0.57;
 //    8,16,2048,64,128: 2.24 / 3.60).
+//  - float32, Da = 128, on Hopper (sm_90a builds): every pass on the wgmma kernel, in two row tiles
+//    (wgmma_takes says where it was measured faster). Elsewhere, and with FAST_CAUSAL_ATTN_WGMMA=0:
 //  - float32, Da = 128 (tensor cores hold one block a multiprocessor: about 245 registers, 209 KB
 //    of shared memory): the forward on tensor cores at any block count (thirteenth session,
 //    8,16,2048,128, 256 blocks: forward 0.886, 0.804 with the k-loops unrolled, against the
@@ -86,6 +88,8 @@ bool tensorcore_by_default(const KernelParams& p, int64_t Da, int64_t Dc) {
   if constexpr (!std::is_same_v<scalar_t, float>) return true;
   if (Da > kMaxTensorCoreRows) return false;
   if (Da <= 64 || (Da <= 128 && P == Pass::Forward)) return true;
+  // Da = 128 on Hopper: the wgmma kernel's row tiles, faster at every shape measured (wgmma_takes)
+  if (wgmma_takes<P, scalar_t>(p, Da, Dc)) return true;
   const int64_t columns = tensorcore_block_columns(Da);
   const int64_t blocks = p.num_seqs * p.H * ((Dc + columns - 1) / columns);
   return blocks <= multiprocessor_count();

@@ -29,7 +29,12 @@ bool device_runs_sm90a();
 //  - bfloat16 or float16: the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with
 //    the dk pass's Da = M, Dc = E), Da and Dc up to 128 in whole 16-byte vectors;
 //  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
-//    up to 64 in whole 16-byte vectors. The forward and dq were faster than mma.sync at every
+//    up to 128 in whole 16-byte vectors (above 64 in row and column tiles of 64: at 128 faster than
+//    the mma.sync and recurrent kernels at every shape measured, fwd / fwd+bwd ms, do_bench, H200,
+//    RESULTS.md, twenty-first session, call 2: 1,16,32768,128 1.519 / 5.191 against 1.895 / 7.392;
+//    8,16,2048,128 0.557 / 2.269 against 0.804 / 2.910; 2,4,8192,128 0.217 / 0.762 against 0.286 /
+//    1.123; 4,16,2048,128,64 0.150 / 0.605 against 0.256 / 0.932). The forward and dq at 64 were
+//    faster than mma.sync at every
 //    shape measured (H200, forward kernel ms and fwd+bwd CUDA graph replay ms, wgmma / mma.sync;
 //    RESULTS.md, nineteenth session):
 //      8,16,2048,64  0.133 / 0.199, 0.643 / 0.723;  4,16,8192,64 (segments) 0.371 / 0.392, 1.355 / 1.418
@@ -61,8 +66,9 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
     // 16-bit: the forward and dq: Da up to 128 (two atoms), Dc in column tiles of 64 (two a
-    // block); dk and dv: E and M up to 64 on one warpgroup, up to 128 on two. float32: one tile.
-    constexpr int64_t kMax = kFloat ? 64 : 128, kVector = 16 / sizeof(scalar_t);
+    // block); dk and dv: E and M up to 64 on one warpgroup, up to 128 on two. float32: Da and Dc
+    // in tiles of 64, two at most (two row tiles' outputs add alike in either order).
+    constexpr int64_t kMax = 128, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0 || p.normalize) return false;
     // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
     // marks a state by its kv alone) must decide as the run does.
@@ -96,6 +102,20 @@ inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem
   return segments;
 }
 
+// Zeroes pass P's output, [B, H, L, Dc] through its strides, for the float32 kernel's two row
+// tiles to add into (dense: the ops allocate every output whole, in either layout).
+template <Pass P>
+void zero_output(const KernelParams& p, int64_t Dc, cudaStream_t stream) {
+  const StridedTensor& out = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
+  const int64_t count = p.B * p.H * p.L * Dc;
+  if (count == 0) return;
+  const int64_t span = (p.B - 1) * out.stride_b + (p.H - 1) * out.stride_h + (p.L - 1) * out.stride_l + Dc;
+  TORCH_CHECK(span == count, "fast_causal_attn: internal: the float32 wgmma kernel adds into a dense output; got ",
+              "strides (", out.stride_b, ", ", out.stride_h, ", ", out.stride_l, ") for [", p.B, ", ", p.H, ", ", p.L,
+              ", ", Dc, "]");
+  C10_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, size_t(count) * sizeof(float), stream));
+}
+
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
@@ -110,16 +130,20 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t pairs = p.num_seqs * p.H;
   // The forward and dq: Da in one atom or two; Dc above 64 on two warpgroups sharing A and B
   // (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles of 64 on one warpgroup each, for measuring).
+  // float32: one warpgroup, column tiles of 64, and above 64 rows of the state two row tiles, one
+  // block each, adding their outputs into the zeroed output.
   const int atoms = P != Pass::GradKV && Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
-  const int groups = P != Pass::GradKV && Dc > 64 && !(forced_groups && std::strcmp(forced_groups, "1") == 0) ? 2 : 1;
+  const int groups =
+      !kFloat && P != Pass::GradKV && Dc > 64 && !(forced_groups && std::strcmp(forced_groups, "1") == 0) ? 2 : 1;
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + C * groups - 1) / (C * groups);
+  const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
   const auto kernel = [atoms, groups, wide, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
-      // Da, Dc <= 64: one atom, one warpgroup; 3xTF32, or TF32 where the user allowed it
+      // 3xTF32, or TF32 where the user allowed it
       return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
     } else if constexpr (P == Pass::GradKV) {
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
@@ -133,11 +157,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
                                           : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups);
-  const int64_t blocks = pairs * col_tiles;
+  const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; float32's dv from dk's (launch_backward_cuda)
   if constexpr (P == Pass::GradQ || (kFloat && P == Pass::GradV)) {
     if (take_forward_segments(p, C)) {
       if (!p.dry_run) {
+        if (row_tiles > 1) zero_output<P>(p, Dc, stream);
         launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,
                             col_tiles);
       }
@@ -148,6 +173,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
+  if (row_tiles > 1) zero_output<P>(p, Dc, stream);
   launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();

@@ -1,7 +1,7 @@
 // Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
 // reverse passes (where run_grad_kv takes them), in 3xTF32 (float32-accurate; the heads alone
-// where the user allowed TF32, KernelParams::tf32), the state's rows and columns up to 64, without
-// normalize: wgmma_product.cuh's products, per chunk of C = 64 timesteps
+// where the user allowed TF32, KernelParams::tf32), without normalize: wgmma_product.cuh's
+// products, per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
@@ -36,6 +36,14 @@
 // moves the start address 32 bytes. Shared memory: A, B and Cc staged two chunks deep by cp.async
 // (96 KB: the next chunk's copies run behind this chunk's products), the eight derived tiles (128
 // KB): 224 KB, one block a multiprocessor.
+//
+// A block holds 64 of the state's rows (Da: a's and b's columns) and 64 of its columns (Dc). Wider
+// states run in column tiles (each block its own outputs) and, up to 128 rows, in two row tiles:
+// causal linear attention is a sum over the state's rows (O = sum over e of the products of q's
+// and k's column e), so each row tile's block is a problem of its own, with its own part of the
+// state, and the two add their outputs into the zeroed output (atomics: 0 + x + y rounds as
+// 0 + y + x, so the sum repeats bit for bit; they flush subnormal sums, below 1.2e-38, to zero).
+// Tiles of the full 128 rows would not fit: 384 KB.
 //
 // Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments
 // and their scan, SegmentStart / SegmentEnd, launch_wgmma), so the two families plan and segment
@@ -214,7 +222,8 @@ struct Stager {
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
 // state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
-// up to 64. kSplit: 3xTF32; without, the heads alone (TF32, where the user allowed it:
+// up to 128: the block's row tile from work.k0, its column tile from work.m0 (see the file's
+// comment). kSplit: 3xTF32; without, the heads alone (TF32, where the user allowed it:
 // KernelParams::tf32; a runtime switch between the products made ptxas wait for the accumulators
 // between every two).
 //
@@ -244,7 +253,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   auto word = [&](int which, int r, int c) -> float& {
     return *reinterpret_cast<float*>(wgmma_smem + which * kTile + offset_of(r, c));
   };
-  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc);
+  const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows (see above)
+  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
   const Operands<P, float, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
@@ -254,8 +264,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     const int tid = threadIdx.x - kThreads;
     const Stager stage(tid, p.rows_are_vectors);
     const int64_t first = chunk_begin(0);
-    Source a_src = stage.source(ops.a_rows(), first, Da);
-    Source b_src = stage.source(ops.b_rows(), first, Da);
+    Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
+    Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
     auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into slot it % 2: the sources step a chunk each
       if (it < chunks) {
@@ -336,7 +346,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   };
   {
     float start[32];  // the segment's start
-    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, 0, work.m0);
+    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, work.k0, work.m0);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       state(i) = start[i];
@@ -426,7 +436,13 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
           }
         }
     };
-    if (p.rows_are_vectors) {
+    if (row_tiles > 1) {  // two row tiles' sums into the zeroed output: 0 + x + y, either order alike
+      if (p.rows_are_vectors) {
+        stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
+      } else {
+        stores([](float* at, float x, float y) { atomicAdd(at, x), atomicAdd(at + 1, y); });
+      }
+    } else if (p.rows_are_vectors) {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     } else {
       stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
@@ -437,7 +453,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 #pragma unroll
   for (int i = 0; i < 32; ++i) end[i] = state(i);
   wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
-                   Da, Dc, 0, work.m0);
+                   Da, Dc, work.k0, work.m0);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
