@@ -28,7 +28,9 @@ def reference_layer(layer, x):
                     None if layer.out_proj.bias is None else layer.out_proj.bias.double())
 
 
-@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity", torch.sigmoid], ids=str)
+# ids by name: an object's default id holds its address, which differs between pytest-xdist's workers
+@pytest.mark.parametrize("feature_map", ["elu", "relu", "identity", torch.sigmoid],
+                         ids=lambda f: f if isinstance(f, str) else f.__name__)
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("device", DEVICES)
 def test_layer_matches_reference(feature_map, bias, device):
