@@ -94,7 +94,7 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
 fi
 
 if has tests; then
-  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 -p no:cacheprovider 2>&1 |
+  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
     tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
 fi
@@ -119,6 +119,8 @@ if has sanitize; then
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
   sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
+  # the 16-bit wgmma kernels above 128: four atoms, two stage slots, dk and dv as reverse passes
+  sanitize wgmma_256 "(test_16_bit_head_dims_above_128 and (B1H1L100E136M200 or B2H1L130E256M40) and blhd and (1-wgmma or 3-wgmma)) or (test_16_bit_two_reverse_passes and B2H3L333E40M24 and 3-)" tests/test_wgmma.py
   # float32's wgmma forward and dq (3xTF32): segments, partial chunks, rows at any alignment
   sanitize wgmma_tf32 "test_float32_plain and B2H3L333E40M24 and blhd and (1-wgmma or 3-wgmma) or test_float32_unaligned_rows and not sync" tests/test_wgmma.py
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"

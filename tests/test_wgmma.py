@@ -1,5 +1,6 @@
-"""The wgmma kernels (csrc/cuda/wgmma_product.cuh: the forward, dq, and dk with dv in one pass;
-bfloat16 and float16, E and M up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
+"""The wgmma kernels (csrc/cuda/wgmma_product.cuh: bfloat16 and float16, each pass alone for E and
+M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
+up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 128 (above 64 in row and column tiles of 64), 3xTF32 or TF32 where allowed; no
 normalize, no states in or out; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
@@ -117,6 +118,7 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
     if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and ON_SM90:
         with cuda_kernels_launched() as names:
             run()
+        # dk and dv: two passes (run_grad_kv), on mma.sync for packed sequences (wgmma_takes)
         assert wgmma_passes(names) == ({"0", "1"} if wgmma == "1" else set())
     out, grad_q = run()
     for start, stop in zip(cu_seqlens.tolist(), cu_seqlens.tolist()[1:]):
@@ -152,6 +154,84 @@ def test_16_bit_plain(shape, layout, segments, wgmma, dtype, monkeypatch):
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+def wgmma_instances(names):
+    """The 16-bit wgmma_product_kernel instances launched, as (pass, atoms, warpgroups)."""
+    found = set()
+    for n in names:
+        if "wgmma_product_kernel" in n:
+            args = n[n.index("Pass)") + 5:].split(">")[0].split(", ")
+            found.add((args[0], int(args[2]), int(args[3])))
+    return found
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_head_dims_above_128_take_the_wgmma_kernels(dtype, monkeypatch):
+    """E or M above 128: every pass runs alone on wgmma_product_kernel (Pass 0-3; the fused dk/dv
+    kernels stop at 128), with the state's rows in four atoms where they pass 128 (one warpgroup a
+    block, columns in tiles of 64), and no mma.sync kernel; the results within the dtype's bound."""
+    cases = {
+        (256, 256): {("0", 4, 1), ("1", 4, 1), ("2", 4, 1), ("3", 4, 1)},
+        # forward: Da = E = 64, Dc = M = 256 (two warpgroups); dq and dk: Da = M = 256; dv: Da = 64
+        (64, 256): {("0", 1, 2), ("1", 4, 1), ("2", 4, 1), ("3", 1, 1)},
+        (200, 96): {("0", 4, 1), ("1", 2, 2), ("2", 2, 1), ("3", 4, 1)},
+    }
+    for (E, M), expected in cases.items():
+        q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, E, M, dtype=dtype, device="cuda"))
+        with cuda_kernels_launched() as names:
+            out = fast_causal_attn.causal_dot_product(q, k, v)
+            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert wgmma_instances(names) == expected, (E, M, names)
+        assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), (E, M, names)
+        check_against_reference(q.detach(), k.detach(), v.detach(), scale=1.0, normalize=False, layout="bhld")
+    # at E, M up to 128 FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 takes the same two reverse passes
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 128, 40, dtype=dtype, device="cuda"))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_dot_product(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    assert wgmma_instances(names) == {("0", 2, 1), ("1", 1, 2), ("2", 1, 1), ("3", 2, 1)}, names
+    assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(1, 2, 300, 256, 256), (2, 1, 130, 256, 40), (1, 2, 200, 72, 256),
+                                   (1, 1, 100, 136, 200)], ids=shape_id)
+def test_16_bit_head_dims_above_128(shape, layout, segments, wgmma, dtype, monkeypatch):
+    """E or M above 128 (four atoms of the state's rows; dk and dv as two reverse passes, dv from
+    dk's segment starts) in 1 or 3 time segments, partial chunks and partial atoms (136, 200),
+    E != M, both layouts, two scales: within the dtype's bound of float64, on wgmma and mma.sync."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3", "8"])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (1, 2, 300, 128, 128),
+                                   (2, 1, 150, 96, 40)], ids=shape_id)
+def test_16_bit_two_reverse_passes(shape, segments, dtype, monkeypatch):
+    """FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 at E, M up to 128: dk and dv as the two reverse passes of
+    wgmma_product_kernel (as above 128; test_head_dims_above_128_take_the_wgmma_kernels checks
+    that they run) in place of the fused pass, dv from dk's segment starts in segments: within the
+    dtype's bound of float64, as the fused pass."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout="blhd")
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout="blhd")
 
 
 @CUDA

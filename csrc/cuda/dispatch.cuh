@@ -160,7 +160,8 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 //  - Hopper's wgmma, 16-bit, E, M <= 128, where wgmma_takes (wgmma_grad_kv_kernel, and above 64
 //    wgmma_grad_kv_wide_kernel: the state dO^T q feeds both gradients; bf16 8,16,2048,64 kernel
 //    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync
-//    passes' 326; RESULTS.md, seventeenth and eighteenth sessions);
+//    passes' 326; RESULTS.md, seventeenth and eighteenth sessions); above 128 (where its state
+//    would not fit a block) the two passes, on wgmma_product_kernel as reverse passes;
 //  - float32 on Hopper's wgmma, E, M <= 64, where wgmma_takes: two reverse passes of the float32
 //    wgmma kernel (GradK, GradV), dv from dk's segment starts (launch_backward_cuda), at every
 //    length. H200 fwd+bwd ms, CUDA graph replay, two wgmma passes / fused mma.sync (RESULTS.md,

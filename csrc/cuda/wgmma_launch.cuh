@@ -15,19 +15,20 @@ namespace cuda {
 template <typename scalar_t>
 constexpr bool kWgmmaInput = std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>;
 
-// The passes the wgmma kernels have, by dtype: 16-bit inputs the forward, dq, and dk with dv in one
-// pass (GradKV); float32 every pass of its own (dk and dv as two reverse passes, no GradKV).
+// The passes the wgmma kernels have, by dtype: 16-bit inputs every pass (dk and dv in one pass,
+// GradKV, or as two reverse passes where it does not run); float32 every pass of its own (dk and
+// dv as two reverse passes, no GradKV).
 template <Pass P, typename scalar_t>
-constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> ? P == Pass::Forward || P == Pass::GradQ || P == Pass::GradKV
-                                                  : std::is_same_v<scalar_t, float> && P != Pass::GradKV;
+constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> || (std::is_same_v<scalar_t, float> && P != Pass::GradKV);
 
 // Whether the device is of compute capability 9.0 (where an sm_90a binary runs), asked once per device.
 bool device_runs_sm90a();
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
 // no normalize, no states in or out, and
-//  - bfloat16 or float16: the forward, dq, or dk and dv in one pass (GradKV; run_grad_kv asks with
-//    the dk pass's Da = M, Dc = E), Da and Dc up to 128 in whole 16-byte vectors;
+//  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
+//    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
+//    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
 //  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
 //    up to 128 in whole 16-byte vectors (above 64 in row and column tiles of 64: at 128 faster than
 //    the mma.sync and recurrent kernels at every shape measured, fwd / fwd+bwd ms, do_bench, H200,
@@ -50,7 +51,11 @@ bool device_runs_sm90a();
 //   8,16,2048,64 0.048 / 0.173 against 0.085 / 0.257;  16,16,2048,64 0.082 / 0.312 against 0.113 / 0.399
 //   8,16,2048,128 0.107 / 0.382 against 0.164 / 0.668;  1,16,32768,128 0.282 / 0.912 against 0.417 / 1.587
 //   8,16,2048,64,128 0.070 / 0.290 against 0.112 / 0.481
-// (fewer pairs: time segments fill the multiprocessors on either family). Below about 16 pairs a
+// (fewer pairs: time segments fill the multiprocessors on either family). Above 128 (four atoms
+// of the state's rows, one warpgroup a block; dk and dv as two reverse passes) against the
+// mma.sync kernels' 32 columns a block (bf16, do_bench fwd / fwd+bwd ms; RESULTS.md,
+// twenty-second session, beside twentieth's mma.sync): 4,16,2048,256 0.320 / 1.331 against 0.443
+// / 1.778. Below about 16 pairs a
 // call is bound by the host's time to issue it, so do_bench medians there follow the host, not the
 // kernels. A function of the shapes and the device alone (not of the rows' alignment), so that a
 // plan (dry_run) and the run agree on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the
@@ -65,11 +70,17 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_WGMMA");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
-    // 16-bit: the forward and dq: Da up to 128 (two atoms), Dc in column tiles of 64 (two a
-    // block); dk and dv: E and M up to 64 on one warpgroup, up to 128 on two. float32: Da and Dc
-    // in tiles of 64, two at most (two row tiles' outputs add alike in either order).
-    constexpr int64_t kMax = 128, kVector = 16 / sizeof(scalar_t);
+    // 16-bit: one pass alone: Da up to 256 (four atoms), Dc in column tiles of 64 (two a block
+    // up to two atoms); dk and dv in one pass: E and M up to 64 on one warpgroup, up to 128 on
+    // two. float32: Da and Dc in tiles of 64, two at most (two row tiles' outputs add alike in
+    // either order).
+    constexpr int64_t kMax = kFloat || P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0 || p.normalize) return false;
+    // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
+    // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
+    if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
+      return false;
+    }
     // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
     // marks a state by its kv alone) must decide as the run does.
     if (p.has_state_io()) return false;
@@ -128,14 +139,18 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   p.rows_are_vectors = rows_are_vectors(p, sizeof(scalar_t));
   p.state_head = 0;
   const int64_t pairs = p.num_seqs * p.H;
-  // The forward and dq: Da in one atom or two; Dc above 64 on two warpgroups sharing A and B
-  // (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles of 64 on one warpgroup each, for measuring).
-  // float32: one warpgroup, column tiles of 64, and above 64 rows of the state two row tiles, one
-  // block each, adding their outputs into the zeroed output.
-  const int atoms = P != Pass::GradKV && Da > 64 ? 2 : 1;
+  // 16-bit, one pass alone: Da in one, two or four atoms; the forward and dq with Dc above 64 and
+  // Da up to 128 on two warpgroups sharing A and B (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles
+  // of 64 on one warpgroup each, for measuring), dk and dv (two reverse passes) in column tiles of
+  // 64 on one: their two passes run only where E or M is above 128 (run_grad_kv), so one
+  // instance each width, not two. float32: one warpgroup, column tiles of 64, and above 64 rows
+  // of the state two row tiles, one block each, adding their outputs into the zeroed output.
+  const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
-  const int groups =
-      !kFloat && P != Pass::GradKV && Dc > 64 && !(forced_groups && std::strcmp(forced_groups, "1") == 0) ? 2 : 1;
+  const int groups = !kFloat && (P == Pass::Forward || P == Pass::GradQ) && atoms <= 2 && Dc > 64 &&
+                             !(forced_groups && std::strcmp(forced_groups, "1") == 0)
+                         ? 2
+                         : 1;
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + C * groups - 1) / (C * groups);
   const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
@@ -147,7 +162,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
     } else if constexpr (P == Pass::GradKV) {
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
+    } else if constexpr (PassTraits<P>::kReverse) {  // dk or dv alone: one warpgroup (see groups)
+      return atoms == 4 ? wgmma_product_kernel<P, scalar_t, 4, 1>
+             : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1>
+                          : wgmma_product_kernel<P, scalar_t, 1, 1>;
     } else {
+      if (atoms == 4) return wgmma_product_kernel<P, scalar_t, 4, 1>;
       if (atoms == 2) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 2, 1>;
       return groups == 2 ? wgmma_product_kernel<P, scalar_t, 1, 2> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
@@ -156,10 +176,11 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
-                                          : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups);
+                                          : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups,
+                                                              wgmma::stages_for_atoms(atoms));
   const int64_t blocks = pairs * row_tiles * col_tiles;
-  // dq from the forward's segment starts; float32's dv from dk's (launch_backward_cuda)
-  if constexpr (P == Pass::GradQ || (kFloat && P == Pass::GradV)) {
+  // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)
+  if constexpr (P == Pass::GradQ || P == Pass::GradV) {
     if (take_forward_segments(p, C)) {
       if (!p.dry_run) {
         if (row_tiles > 1) zero_output<P>(p, Dc, stream);
@@ -178,7 +199,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
   }
-  if constexpr (kFloat && P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv
+  if constexpr (P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv
     if (p.keep_segments && p.segments > 1) return {workspace.buffer, at::Tensor(), p.segments};
   }
   return {};

@@ -1,5 +1,5 @@
 // The chunked product on Hopper's warpgroup MMA (wgmma, sm_90a): bfloat16 and float16, the
-// state's rows and columns up to 128, without normalize. Per chunk of C = 64 timesteps
+// state's rows and columns up to 256 (dk with dv in one pass: 128), without normalize. Per chunk of C = 64 timesteps
 // (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
@@ -7,11 +7,11 @@
 // in 20 wgmma instructions (16 for float16's one-part state copy) where the mma.sync kernel
 // issues about 480 HMMA and their ldmatrix loads (bf16 8,16,2048,64 on the H200: 43 us for the
 // forward kernel, the mma.sync kernels 75; RESULTS.md, seventeenth session). A, B
-// and Cc are staged by cp.async, three chunks deep, into one layout that serves every role:
+// and Cc are staged by cp.async, three chunks deep (two where Da is above 128), into one layout that serves every role:
 // element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
 // rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
 // Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
-// The state S (64 x 64 float32; above 64, row blocks and column halves on two warpgroups) lives
+// The state S (64 x 64 float32; above 64, row blocks, and column halves on two warpgroups) lives
 // in the warpgroups' accumulators; its copy for A S is kept
 // as the mma.sync kernel keeps it: two bfloat16 parts (S = hi + lo), or one float16 part scaled
 // by a power of two where S passes float16's range.
@@ -19,10 +19,10 @@
 // What runs around the chunk loop is the tensor-core family's: chunked::BlockWork (pairs,
 // segments, state-only blocks, packed sequences), Operands (each pass's rows and strides),
 // SegmentStart / SegmentEnd and, on the host, SegmentWorkspace and launch_segmented. The kernels
-// run the forward and dq (the passes in the forward direction; wgmma_product_kernel), and dk with
-// dv in one reverse pass (wgmma_grad_kv_kernel, wgmma_grad_kv_wide_kernel above 64), one block a
-// (sequence, head, time segment), where wgmma_takes says; states in or out and normalize stay
-// with the mma.sync kernels.
+// run each pass alone (wgmma_product_kernel: the forward and dq, and dk and dv as two reverse
+// passes where E or M is above 128), and dk with dv in one reverse pass (wgmma_grad_kv_kernel,
+// wgmma_grad_kv_wide_kernel above 64), one block a (sequence, head, time segment), where
+// wgmma_takes says; states in or out and normalize stay with the mma.sync kernels.
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
@@ -51,6 +51,10 @@ constexpr int C = 64;              // timesteps a chunk; the state's rows and co
 constexpr int kThreads = 128;      // one warpgroup
 constexpr int kTile = C * 64 * 2;  // bytes of a 64 x 64 bfloat16 tile (1024-byte aligned: the swizzle's period)
 constexpr int kStages = 3;         // chunks staged (two on their way; a fourth measured no faster)
+// The forward-direction kernel's stage slots for A and B of kAtoms atoms: three, but two at four
+// atoms (Da up to 256), whose slot (A, B: 8 tiles, Cc: 1) and two-part state copy (8 tiles) leave
+// room for two (217 KB of the 227 KB a block may have).
+__host__ __device__ constexpr int stages_for_atoms(int atoms) { return atoms > 2 ? 2 : kStages; }
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
 // `stages` x slot_tiles tiles ({A, B, each group's Cc}: 2 kAtoms + kGroups; {q, k, v, dO} for dk
@@ -175,14 +179,14 @@ namespace wgmma {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // One operand's rows as this thread copies them (Stager): row row0 of the next chunk to stage,
-// column col of its 64-column atom (column 0 where col is past the operand's width: the copies are
-// zeros then), the step of 16 rows between this thread's pieces, and for a second atom (operands
-// 65-128 wide) the distance to its column col + 64.
+// column col of its first 64-column atom (col0, a column tile's first, where col is past the
+// operand's width), the step of 16 rows between this thread's pieces, and which atoms' columns
+// (col + 64 a: bit a) lie inside the operand's width (the others copy zeros from `next`, a valid
+// address).
 struct Source {
   const uint16_t* next;
   int64_t piece_step;
-  bool inside, inside_hi;
-  int hi_step;
+  uint32_t inside;
 };
 
 // This thread's 16-byte pieces of a staged tile: rows row0 + 16 i (i < 4) of one column group.
@@ -210,10 +214,11 @@ struct Stager {
   // tile's first), the operand `width` columns wide in all.
   template <typename Rows>
   __device__ Source source(const Rows& x, int64_t first, int64_t width, int64_t col0 = 0) const {
-    const bool inside = col0 + col < width, inside_hi = col0 + col + 64 < width;
-    const int lo = inside ? col : 0, hi = inside_hi ? col + 64 : 0;
-    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + (first + row0) * x.stride + col0 + lo, 16 * x.stride,
-                  inside, inside_hi, hi - lo};
+    uint32_t inside = 0;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) inside |= uint32_t(col0 + col + 64 * a < width) << a;
+    return Source{reinterpret_cast<const uint16_t*>(x.ptr) + (first + row0) * x.stride + col0 + (inside & 1u ? col : 0),
+                  16 * x.stride, inside};
   }
   // The chunk of n rows at src.next into `tile` (kAtoms 64-column atoms, kTile bytes apart) as
   // cp.async copies (element by element where rows are not vectors), zeros past n; `any`: a valid
@@ -224,8 +229,8 @@ struct Stager {
 #pragma unroll
     for (int a = 0; a < kAtoms; ++a) {
       const uint32_t at = tile + a * kTile + piece0;
-      const uint16_t* from0 = src.next + (a == 0 ? 0 : src.hi_step);
-      const bool inside = a == 0 ? src.inside : src.inside_hi;
+      const bool inside = (src.inside >> a) & 1u;
+      const uint16_t* from0 = src.next + (inside ? 64 * a : 0);
       if (vectors && n == C) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) copy_16(at + 2048 * i, from0 + i * src.piece_step, inside);
@@ -437,17 +442,15 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
   }
 }
 
-// d += mask(score) X (X a staged tile, MN-major: K along its rows), in one committed group. The
-// scores (row r, column c: c <= r kept, or c >= r for kReverse) go in as 16-bit register A
-// fragments, each warp its 16 rows.
+// The masked scores (row r, column c: c <= r kept, or c >= r for kReverse) as 16-bit register A
+// fragments of the products by them, each warp its 16 rows: k-step s in a[s].
 template <bool kHalf, bool kReverse>
-__device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
+__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
   auto kept = [&](int j, int e) {
     const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
     return kReverse ? column >= row : column <= row;
   };
-  uint32_t a[4][4];
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -455,9 +458,21 @@ __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&s
       const int j = 2 * s + r / 2, e = 2 * (r % 2);
       a[s][r] = pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
     }
-  fence();
+}
+// d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
+// tile, MN-major: K along its rows.
+template <bool kHalf>
+__device__ __forceinline__ void add_fragments_times(float (&d)[32], const uint32_t (&a)[4][4], uint32_t x_tile) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) mma_rs<kHalf, 1>(d, a[s], k_along_rows(x_tile, s));
+}
+// d += mask(score) X, in one committed group.
+template <bool kHalf, bool kReverse>
+__device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
+  uint32_t a[4][4];
+  masked_fragments<kHalf, kReverse>(a, score);
+  fence();
+  add_fragments_times<kHalf>(d, a, x_tile);
   commit();
 }
 
@@ -498,14 +513,18 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 
 }  // namespace wgmma
 
-// The forward and dq (wgmma_takes): one block a (sequence, head, column tile, time segment), from
-// the segment's start (SegmentStart); state-only blocks (launch_segmented's first launch) sum
-// their segment's B^T Cc alone. kAtoms: A and B are 64 kAtoms columns wide (Da up to 64 or 128),
-// staged as kAtoms atoms, and the state's Da rows are kAtoms row blocks (state[a], each the
-// accumulator of one m64 wgmma). kGroups: warpgroups a block, each its own 64 columns of Cc, the
-// state and the outputs (the column tile is 64 kGroups wide), all of them on the block's one
-// staging of A and B: with two, A and B are read once for Dc up to 128 (the first warpgroup
-// stages A, the second B, each its own Cc), where column tiles of 64 read them once a tile.
+// One pass of the four (wgmma_takes): the forward and dq walk time forward, dk and dv (as two
+// passes: E or M above 128, or FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0) backward, with the masks kept
+// t >= s (Operands give each pass its A, B, Cc and output). One block a (sequence, head, column
+// tile, time segment), from the segment's start (SegmentStart: the sums of the segments before it,
+// after it in reverse); state-only blocks (launch_segmented's first launch) sum their segment's
+// B^T Cc alone. kAtoms: A and B are 64 kAtoms columns wide (Da up to 64, 128 or 256), staged as
+// kAtoms atoms, and the state's Da rows are kAtoms row blocks (state[a], each the accumulator of
+// one m64 wgmma). kGroups: warpgroups a block, each its own 64 columns of Cc, the state and the
+// outputs (the column tile is 64 kGroups wide), all of them on the block's one staging of A and
+// B: with two, A and B are read once for Dc up to 128 (the first warpgroup stages A, the second
+// B, each its own Cc), where column tiles of 64 read them once a tile. At four atoms one
+// warpgroup (two would need a second state copy: 64 KB more than a block has), two stage slots.
 template <Pass P, typename scalar_t, int kAtoms, int kGroups>
 __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -513,12 +532,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   using namespace wgmma;
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
-  static_assert(P == Pass::Forward || P == Pass::GradQ, "the forward direction's passes");
-  static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
+  static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv (dk with dv: wgmma_grad_kv_kernel)");
+  static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
+  static_assert(kGroups == 1 || (kGroups == 2 && kAtoms <= 2), "one warpgroup, or two up to two atoms");
+  constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
+  constexpr int kDepth = stages_for_atoms(kAtoms);
   constexpr int kSlot = 2 * kAtoms + kGroups;  // tiles a stage slot: A, B (kAtoms each), each group's Cc
   // in tiles: the state copies (two parts of kAtoms tiles, a group), then each group's staging rows
-  constexpr int kCopyAt = kStages * kSlot, kStagingAt = kCopyAt + 2 * kAtoms * kGroups;
-  static_assert(smem_bytes(kSlot, 2 * kAtoms * kGroups, kGroups) <= 227 * 1024, "shared memory of one block");
+  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 2 * kAtoms * kGroups;
+  static_assert(smem_bytes(kSlot, 2 * kAtoms * kGroups, kGroups, kDepth) <= 227 * 1024, "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
@@ -533,27 +555,31 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
   const int64_t m0 = work.m0 + C * group;   // this group's first column of Cc, the state and the outputs
   const int cols = int(Dc - m0 < C ? Dc - m0 : C);
+  auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
+  const int64_t first_step = chunks > 0 ? chunk_begin(0) : work.seg_begin;
   const Stager stage(int(threadIdx.x % kThreads), p.rows_are_vectors);
   // kGroups == 1: A from first, B from second; kGroups == 2: group 0 A, group 1 B, from first.
   const bool stages_b_first = kGroups == 2 && group == 1;
-  Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), work.seg_begin, Da);
-  Source second = stage.source(ops.b_rows(), work.seg_begin, kGroups == 1 ? Da : 0);
-  Source c_src = stage.source(ops.c_rows(), work.seg_begin, Dc, m0);
+  Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), first_step, Da);
+  Source second = stage.source(ops.b_rows(), first_step, kGroups == 1 ? Da : 0);
+  Source c_src = stage.source(ops.c_rows(), first_step, Dc, m0);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
-  // it = 0, 1, 2, ... in order (the sources step a chunk each call).
+  // it = 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse).
   auto issue = [&](int64_t it, int slot) {
     if (it < chunks) {
-      const int n = work.chunk_len(work.seg_begin + it * C, C);
+      const int n = work.chunk_len(chunk_begin(it), C);
       if (stages_b_first) {
-        stage.operator()<false, kAtoms>(tile_of(slot, kAtoms), first, ops.b_rows().ptr, n);
+        stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), first, ops.b_rows().ptr, n);
       } else if (!state_only) {
-        stage.operator()<false, kAtoms>(tile_of(slot, 0), first, ops.a_rows().ptr, n);
+        stage.operator()<kReverse, kAtoms>(tile_of(slot, 0), first, ops.a_rows().ptr, n);
       }
-      if constexpr (kGroups == 1) stage.operator()<false, kAtoms>(tile_of(slot, kAtoms), second, ops.b_rows().ptr, n);
-      stage.operator()<false>(tile_of(slot, 2 * kAtoms + group), c_src, ops.c_rows().ptr, n);
+      if constexpr (kGroups == 1) {
+        stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), second, ops.b_rows().ptr, n);
+      }
+      stage.operator()<kReverse>(tile_of(slot, 2 * kAtoms + group), c_src, ops.c_rows().ptr, n);
     }
-    StageRing<>::commit_copies();
+    StageRing<kDepth>::commit_copies();
   };
   // The state: row e = 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in state[a][4 j ..];
   // from the segment's start.
@@ -564,8 +590,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
-  for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  StageRing<> ring;
+  for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
+  StageRing<kDepth> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     ring.arrive();
     const int next_slot = ring.refill();
@@ -575,7 +601,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       fence();
       add_bt_times_c<kHalf>(state, bt, ct);  // S += B^T Cc
       commit();
-      issue(it + kStages - 1, next_slot);
+      issue(it + kDepth - 1, next_slot);
       wait<0>();
       continue;
     }
@@ -584,24 +610,46 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     fence();
     scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
     commit();
-    times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
-    commit();
-    add_bt_times_c<kHalf>(state, bt, ct);
-    commit();
-    issue(it + kStages - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-    wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
-    copy.scale_back(out);
-    add_masked_times<kHalf, false>(out, score, ct);  // out += P Cc
+    if constexpr (kAtoms == 4) {
+      // The state's 128 registers leave no room for the scores, A S and P at once (that order
+      // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
+      // and P Cc.
+      add_bt_times_c<kHalf>(state, bt, ct);
+      commit();
+      issue(it + kDepth - 1, next_slot);
+      wait<1>();  // the scores
+      uint32_t masked[4][4];
+      masked_fragments<kHalf, kReverse>(masked, score);
+      fence();
+      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+      if constexpr (kHalf) {  // back to S's scale before P Cc adds in
+        commit();
+        wait<0>();
+        copy.scale_back(out);
+        fence();
+      }
+      add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
+      commit();
+    } else {
+      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+      commit();
+      add_bt_times_c<kHalf>(state, bt, ct);
+      commit();
+      issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
+      wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
+      copy.scale_back(out);
+      add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+    }
     wait<0>();
     if constexpr (kHalf) copy.post_max(state);  // the state after this chunk; read after the barrier below
 
-    const int64_t t0 = work.seg_begin + it * C;
+    const int64_t t0 = chunk_begin(it);
     store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols,
                       stage.vectors);
     __syncthreads();     // every warp's wgmma has read the state copy
     copy.publish(state);  // S after this chunk, for the next
   }
-  float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, false, P == Pass::Forward, work.piece).state;
+  float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
 #pragma unroll
   for (int a = 0; a < kAtoms; ++a) store_end(state[a], end, Da, Dc, 64 * a, m0);
 #else
