@@ -22,9 +22,9 @@ EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA"
                                   reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
 
 
-def training_step_kernels(B, H, dtype, L=200):
-    """The kernels of a forward and backward of a plain call at (B, H, L, 64, 64)."""
-    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, 64, 64, dtype=dtype, device="cuda"))
+def training_step_kernels(B, H, dtype, L=200, E=64, M=64):
+    """The kernels of a forward and backward of a plain call at (B, H, L, E, M)."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda"))
 
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_dot_product(q, k, v)
@@ -181,19 +181,14 @@ def test_head_dims_above_128_take_the_wgmma_kernels(dtype, monkeypatch):
         (200, 96): {("0", 4, 1), ("1", 2, 2), ("2", 2, 1), ("3", 4, 1)},
     }
     for (E, M), expected in cases.items():
-        q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, E, M, dtype=dtype, device="cuda"))
-        with cuda_kernels_launched() as names:
-            out = fast_causal_attn.causal_dot_product(q, k, v)
-            torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        names = training_step_kernels(2, 3, dtype, 300, E, M)
         assert wgmma_instances(names) == expected, (E, M, names)
         assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), (E, M, names)
-        check_against_reference(q.detach(), k.detach(), v.detach(), scale=1.0, normalize=False, layout="bhld")
+        q, k, v = make_inputs(2, 3, 300, E, M, dtype=dtype, device="cuda")
+        check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
     # at E, M up to 128 FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 takes the same two reverse passes
     monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
-    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 128, 40, dtype=dtype, device="cuda"))
-    with cuda_kernels_launched() as names:
-        out = fast_causal_attn.causal_dot_product(q, k, v)
-        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    names = training_step_kernels(2, 3, dtype, 300, 128, 40)
     assert wgmma_instances(names) == {("0", 2, 1), ("1", 1, 2), ("2", 1, 1), ("3", 2, 1)}, names
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
 

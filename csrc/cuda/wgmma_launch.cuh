@@ -54,10 +54,9 @@ bool device_runs_sm90a();
 // (fewer pairs: time segments fill the multiprocessors on either family). Above 128 (four atoms
 // of the state's rows, one warpgroup a block; dk and dv as two reverse passes) against the
 // mma.sync kernels' 32 columns a block (bf16, do_bench fwd / fwd+bwd ms; RESULTS.md,
-// twenty-second session, beside twentieth's mma.sync): 4,16,2048,256 0.320 / 1.331 against 0.443
-// / 1.778. Below about 16 pairs a
-// call is bound by the host's time to issue it, so do_bench medians there follow the host, not the
-// kernels. A function of the shapes and the device alone (not of the rows' alignment), so that a
+// twenty-second session, beside twentieth's mma.sync): 4,16,2048,256 0.320 / 1.331 against
+// 0.443 / 1.778. Below about 16 pairs a call is bound by the host's time to issue it, so do_bench
+// medians there follow the host, not the kernels. A function of the shapes and the device alone (not of the rows' alignment), so that a
 // plan (dry_run) and the run agree on the forward's segments. FAST_CAUSAL_ATTN_WGMMA=0 turns the
 // kernel off, for measuring (=1, the default, is accepted; FAST_CAUSAL_ATTN_SEGMENTS forces its
 // segment count as the other families').
@@ -162,14 +161,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
     } else if constexpr (P == Pass::GradKV) {
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
-    } else if constexpr (PassTraits<P>::kReverse) {  // dk or dv alone: one warpgroup (see groups)
-      return atoms == 4 ? wgmma_product_kernel<P, scalar_t, 4, 1>
-             : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1>
-                          : wgmma_product_kernel<P, scalar_t, 1, 1>;
     } else {
       if (atoms == 4) return wgmma_product_kernel<P, scalar_t, 4, 1>;
-      if (atoms == 2) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 2, 1>;
-      return groups == 2 ? wgmma_product_kernel<P, scalar_t, 1, 2> : wgmma_product_kernel<P, scalar_t, 1, 1>;
+      if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
+        if (groups == 2) return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 1, 2>;
+      }
+      return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
   }();
   const int threads = kFloat ? 2 * wgmma_tf32::kThreads : wgmma::kThreads * (wide ? 2 : groups);

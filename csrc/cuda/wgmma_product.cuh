@@ -1,14 +1,14 @@
 // The chunked product on Hopper's warpgroup MMA (wgmma, sm_90a): bfloat16 and float16, the
-// state's rows and columns up to 256 (dk with dv in one pass: 128), without normalize. Per chunk of C = 64 timesteps
-// (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
+// state's rows and columns up to 256 (dk with dv in one pass: 128), without normalize. Per chunk
+// of C = 64 timesteps (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
 // in 20 wgmma instructions (16 for float16's one-part state copy) where the mma.sync kernel
 // issues about 480 HMMA and their ldmatrix loads (bf16 8,16,2048,64 on the H200: 43 us for the
-// forward kernel, the mma.sync kernels 75; RESULTS.md, seventeenth session). A, B
-// and Cc are staged by cp.async, three chunks deep (two where Da is above 128), into one layout that serves every role:
-// element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
+// forward kernel, the mma.sync kernels 75; RESULTS.md, seventeenth session). A, B and Cc are
+// staged by cp.async, three chunks deep (two where Da is above 128), into one layout that serves
+// every role: element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
 // rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
 // Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
 // The state S (64 x 64 float32; above 64, row blocks, and column halves on two warpgroups) lives
