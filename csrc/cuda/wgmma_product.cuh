@@ -82,11 +82,23 @@ __device__ __forceinline__ uint64_t descriptor(uint32_t address) {
   constexpr uint64_t kOffsets = (uint64_t(1024 >> 4) << 16) | (uint64_t(1024 >> 4) << 32);
   return uint64_t((address & 0x3FFFF) >> 4) | kOffsets | (uint64_t(1) << 62);
 }
+// The descriptor of tile + bytes: tile's with bytes / 16 added to its address field, which does not
+// carry out (shared addresses lie below 2^18). Built whole for each k-step, the descriptors took a
+// third of the four-atom forward's instructions (ncu, RESULTS.md, twenty-second session); built
+// once a tile (the compiler keeps descriptor(tile) for each distinct tile) they take one add.
+__device__ __forceinline__ uint64_t descriptor(uint32_t tile, uint32_t bytes) {
+  const uint64_t d = descriptor(tile);
+  return (d & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(d) + bytes / 16);
+}
 // Operand views of a staged tile (rows r, columns c), k16 step s: K along the columns (A and B of
 // the scores, A of A S) or along the rows (B^T and Cc of the state's update, Cc of P Cc, the state
-// copy as B of A S).
-__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s) { return descriptor(tile + 32 * s); }
-__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s) { return descriptor(tile + 2048 * s); }
+// copy as B of A S); `bytes`: from the tile's start (another atom, part or row block).
+__device__ __forceinline__ uint64_t k_along_columns(uint32_t tile, int s, uint32_t bytes = 0) {
+  return descriptor(tile, bytes + 32 * s);
+}
+__device__ __forceinline__ uint64_t k_along_rows(uint32_t tile, int s, uint32_t bytes = 0) {
+  return descriptor(tile, bytes + 2048 * s);
+}
 
 #define FCA_WGMMA_D32(d)                                                                                          \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
@@ -150,6 +162,14 @@ __device__ __forceinline__ void wait() {
 }
 // This thread's shared-memory writes (generic proxy) made visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Four 8 x 8 matrices of 16-bit pairs into shared memory (stmatrix.x4): lane l gives row l % 8 of
+// matrix l / 8's address, and its register m holds its own row l / 4, columns 2 (l % 4) (+1) of
+// matrix m.
+__device__ __forceinline__ void store_matrices(uint32_t address, const uint32_t (&x)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
+               "r"(x[1]), "r"(x[2]), "r"(x[3])
+               : "memory");
+}
 
 // Two floats rounded to bfloat16 or (kHalf) float16, lo in the low half.
 template <bool kHalf>
@@ -309,8 +329,13 @@ struct StateCopy {
     for (int offset = kWarp / 2; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
     if (threadIdx.x % kWarp == 0) warp_max[int(threadIdx.x / kWarp) % kWarps] = largest;
   }
+  // The copy of `state`, by stmatrix: matrix i of a store (lanes 8 i .. 8 i + 7 give its rows'
+  // addresses) is the 8 x 8 block of rows 16 warp + 8 (i % 2) on, columns 8 (2 k + i / 2) on of row
+  // block a, and each lane's register i holds its row g, columns 2 q4 (+1): the accumulator's own
+  // layout, so one stmatrix.x4 stores what four st.shared.b32 did (32 a part where there were 128
+  // at four atoms).
   __device__ void publish(const State& state) {
-    const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+    const int warp = group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
     float inverse = 1.f;
     if constexpr (kHalf) {
       float largest = 0.f;
@@ -321,23 +346,27 @@ struct StateCopy {
       scale = ldexpf(1.f, shift);
       inverse = 1.f / scale;  // a power of two: exact
     }
+    // this lane's row of matrix i: state row 16 warp + 8 (i % 2) + r, column group 2 k + i / 2
+    const uint32_t row = at + (16 * warp + 8 * (i % 2) + r) * 128;
 #pragma unroll
-    for (int a = 0; a < kAtoms; ++a)
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t to = row + (((2 * k + i / 2) ^ r) * 16);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int a = 0; a < kAtoms; ++a) {
+        uint32_t hi[4], lo[4];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int e = 64 * a + 16 * warp + g + 8 * h, m = 8 * j + 2 * q4;
-          const uint32_t word = at + e * 128 + ((m / 8) ^ (e % 8)) * 16 + (m % 8) * 2;
-          const float x = state[a][4 * j + 2 * h] * inverse, y = state[a][4 * j + 2 * h + 1] * inverse;
-          const uint32_t hi = pack<kHalf>(x, y);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word), "r"(hi) : "memory");
+        for (int m = 0; m < 4; ++m) {  // matrix m: n-tile 2 k + m / 2, rows + 8 (m % 2)
+          const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
+          const float x = state[a][v] * inverse, y = state[a][v + 1] * inverse;
+          hi[m] = pack<kHalf>(x, y);
           if constexpr (!kHalf) {
-            const float x_hi = __uint_as_float(hi << 16), y_hi = __uint_as_float(hi & 0xffff0000u);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(word + kPart), "r"(pack<kHalf>(x - x_hi, y - y_hi))
-                         : "memory");
+            lo[m] = pack<kHalf>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
           }
         }
+        store_matrices(to + a * kTile, hi);
+        if constexpr (!kHalf) store_matrices(to + a * kTile + kPart, lo);
+      }
+    }
   }
   // The first chunk's copy (a barrier before its first reader): float16's scale from the state
   // itself, which a segment's start makes anything.
@@ -392,7 +421,7 @@ __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64
 // A staged tile of kAtoms 64-column atoms (kTile bytes apart), K along its columns: k16 step s.
 template <int kAtoms>
 __device__ __forceinline__ uint64_t k_along_atoms(uint32_t tile, int s) {
-  return k_along_columns(tile + (s / 4) * kTile, s % 4);
+  return k_along_columns(tile, s % 4, (s / 4) * kTile);
 }
 
 // d = A B^T over a chunk (the scores), both staged tiles (kAtoms atoms) K-major along their columns.
@@ -407,15 +436,15 @@ __device__ __forceinline__ void scores_of(float (&d)[32], uint32_t a_tile, uint3
 // d += B^T C over a chunk (a state's update: S += B^T Cc in the forward direction, D += dO^T Q
 // in dk and dv), K (time) along the rows of both staged tiles.
 template <bool kHalf>
-__device__ __forceinline__ void add_bt_times_c(float (&d)[32], uint32_t b_tile, uint32_t c_tile) {
+__device__ __forceinline__ void add_bt_times_c(float (&d)[32], uint32_t b_tile, uint32_t c_tile, uint32_t b_atom = 0) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(b_tile, s), k_along_rows(c_tile, s));
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 1, 1>(d, k_along_rows(b_tile, s, b_atom), k_along_rows(c_tile, s));
 }
 // The same for a state of kAtoms row blocks: row block a from B's atom a (kTile bytes apart).
 template <bool kHalf, int kAtoms>
 __device__ __forceinline__ void add_bt_times_c(float (&d)[kAtoms][32], uint32_t b_tile, uint32_t c_tile) {
 #pragma unroll
-  for (int a = 0; a < kAtoms; ++a) add_bt_times_c<kHalf>(d[a], b_tile + a * kTile, c_tile);
+  for (int a = 0; a < kAtoms; ++a) add_bt_times_c<kHalf>(d[a], b_tile, c_tile, a * kTile);
 }
 
 // d = A (a staged tile, K-major) times the state's copy at `copy`: the copy as it is (kTransB = 1,
@@ -427,37 +456,54 @@ __device__ __forceinline__ void add_bt_times_c(float (&d)[kAtoms][32], uint32_t 
 template <bool kHalf, int kTransB, int kAtoms = 1>
 __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy, uint32_t next_atom = 0) {
   constexpr uint32_t kPart = StateCopy<kHalf, kAtoms>::kPart;
-  auto b = [next_atom](uint32_t tile, int s) {
-    return kTransB ? k_along_rows(tile, s) : k_along_columns(tile + (s / 4) * next_atom, s % 4);
+  auto b = [copy, next_atom](uint32_t part, int s) {
+    return kTransB ? k_along_rows(copy, s, part) : k_along_columns(copy, s % 4, part + (s / 4) * next_atom);
   };
   if constexpr (!kHalf) {
 #pragma unroll
     for (int s = 0; s < 4 * kAtoms; ++s) {
-      mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(copy + kPart, s), s > 0);
+      mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(kPart, s), s > 0);
     }
   }
 #pragma unroll
   for (int s = 0; s < 4 * kAtoms; ++s) {
-    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(copy, s), !kHalf || s > 0);
+    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(0, s), !kHalf || s > 0);
   }
 }
 
 // The masked scores (row r, column c: c <= r kept, or c >= r for kReverse) as 16-bit register A
-// fragments of the products by them, each warp its 16 rows: k-step s in a[s].
-template <bool kHalf, bool kReverse>
-__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
-  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+// fragments of the products by them, each warp its 16 rows: k-step s in a[s]. The warp's rank in
+// its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
+// diagonal compare columns with rows (the others are kept or zero whole): with the rank a
+// variable, each of the 32 scores took its own compare and select every chunk.
+template <bool kHalf, bool kReverse, int kWarpRank>
+__device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
+  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  // score[4 j + e]: row 16 kWarpRank + g + 8 (e / 2), column 8 j + 2 q4 + e % 2
   auto kept = [&](int j, int e) {
-    const int column = 8 * j + 2 * q4 + e % 2, row = 16 * warp + g + 8 * (e / 2);
-    return kReverse ? column >= row : column <= row;
+    const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
+    if (j != row_block) return kReverse ? j > row_block : j < row_block;
+    const int column = 2 * q4 + e % 2;
+    return kReverse ? column >= g : column <= g;
   };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // fragment register r of k-step s: n-tile 2 s + r / 2, entries 2 (r % 2) ..
-      const int j = 2 * s + r / 2, e = 2 * (r % 2);
-      a[s][r] = pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
+      const int j = 2 * s + r / 2, e = 2 * (r % 2), row_block = 2 * kWarpRank + e / 2;
+      const bool dropped = j != row_block && (kReverse ? j < row_block : j > row_block);
+      a[s][r] = dropped ? 0u  // (the compiler does not fold a conversion of zeros)
+                        : pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
     }
+}
+template <bool kHalf, bool kReverse>
+__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
+  switch (group_warp()) {
+    case 0: masked_fragments_of<kHalf, kReverse, 0>(a, score); break;
+    case 1: masked_fragments_of<kHalf, kReverse, 1>(a, score); break;
+    case 2: masked_fragments_of<kHalf, kReverse, 2>(a, score); break;
+    default: masked_fragments_of<kHalf, kReverse, 3>(a, score); break;
+  }
 }
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
 // tile, MN-major: K along its rows.
