@@ -1,8 +1,17 @@
 import contextlib
+import os
 import zlib
 
 import pytest
 import torch
+
+# Under pytest-xdist (-n N) every worker's CPU ops (the float64 references, the CPU kernels) would
+# each take all the machine's cores: N x cores threads contending for them. Each worker takes its
+# share of the cores instead (results do not depend on the thread count beyond rounding order,
+# well inside every tolerance).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 ON_SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
