@@ -6,7 +6,8 @@ the public API, by op and by CUDA runtime call (launches, attribute sets, alloca
 
 Beside benchmark.py --kernel-time ("host per call" against "GPU busy per call") it tells which
 host work to cut when a call is bound by it. Each section times `iters` calls back to back (the
-GPU not waited for) without the profiler, then lists the profiled calls' CPU events.
+GPU not waited for) without the profiler, beside two baselines (a builtin op's and a Python
+Function's fwd+bwd: what autograd costs any call), then lists the profiled calls' CPU events.
 """
 import argparse
 
@@ -17,6 +18,28 @@ import fast_causal_attn
 from benchmark import host_ms, make_case
 
 SHAPES = "8,16,2048,64,64;4,16,8192,64,64;8,16,2048,128,128;2,4,8192,64,64;1,16,32768,128,128"
+
+
+class _Clone(torch.autograd.Function):
+    """A Python autograd Function as small as one can be: one copy forward, none backward."""
+
+    @staticmethod
+    def forward(ctx, v):
+        return v.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def baselines(v, dout, iters):
+    """The host's ms per call of what any autograd call on these tensors costs: a builtin op and
+    its backward (one launch each, no Python in the backward), and a Python Function (its backward
+    runs Python on autograd's device thread), each through torch.autograd.grad as the timed calls."""
+    leaf = v.detach().requires_grad_()
+    builtin = host_ms(lambda: torch.autograd.grad(leaf * 2.0, [leaf], dout), iters)
+    python = host_ms(lambda: torch.autograd.grad(_Clone.apply(leaf), [leaf], dout), iters)
+    return builtin, python
 
 
 def main():
@@ -45,6 +68,8 @@ def main():
         print(f"\n{args.dtype} {B},{H},{L},{E},{M}: host ms per call: forward "
               f"{host_ms(forward, args.iters):.3f}, forward with autograd {host_ms(forward_with_graph, args.iters):.3f}, "
               f"forward+backward {host_ms(forward_backward, args.iters):.3f}")
+        builtin, python = baselines(v, dout, args.iters)
+        print(f"  baselines, fwd+bwd host ms per call: builtin op {builtin:.3f}, Python Function {python:.3f}")
         forward_backward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
