@@ -94,7 +94,7 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
 fi
 
 if has tests; then
-  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
+  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 --durations=20 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
     tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
 fi
