@@ -134,6 +134,16 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
             assert error <= tolerance, f"{which}, sequence [{start}, {stop}): {error:.3g} > {tolerance:.3g}"
 
 
+def check_plain_at_two_scales(shape, layout, segments, wgmma, dtype, monkeypatch):
+    """A plain call's output and gradients, on the wgmma kernels or mma.sync (FAST_CAUSAL_ATTN_WGMMA)
+    in the given time segments, at scales 1 and 0.7: within the dtype's bound of float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -149,11 +159,7 @@ def test_16_bit_plain(shape, layout, segments, wgmma, dtype, monkeypatch):
     and partial last chunks, E != M, E or M above 64 (the forward and dq in two atoms, on two
     warpgroups; dk and dv on the wide reverse kernel), both layouts, two scales: each within the
     dtype's bound of float64, on the wgmma kernels and on mma.sync."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_plain_at_two_scales(shape, layout, segments, wgmma, dtype, monkeypatch)
 
 
 def wgmma_instances(names):
@@ -205,11 +211,7 @@ def test_16_bit_head_dims_above_128(shape, layout, segments, wgmma, dtype, monke
     """E or M above 128 (four atoms of the state's rows; dk and dv as two reverse passes, dv from
     dk's segment starts) in 1 or 3 time segments, partial chunks and partial atoms (136, 200),
     E != M, both layouts, two scales: within the dtype's bound of float64, on wgmma and mma.sync."""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_plain_at_two_scales(shape, layout, segments, wgmma, dtype, monkeypatch)
 
 
 @CUDA

@@ -173,8 +173,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
-                                          : wgmma::smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups,
-                                                              wgmma::stages_for_atoms(atoms));
+                                          : wgmma::product_smem_bytes(atoms, groups);
   const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)
   if constexpr (P == Pass::GradQ || P == Pass::GradV) {

@@ -65,6 +65,11 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
                                                 int stages = kStages) {
   return size_t(stages * slot_tiles + copy_tiles) * kTile + groups * (kStagingBytes + 4 * sizeof(float));
 }
+// wgmma_product_kernel's of `atoms` atoms on `groups` warpgroups (the kernel's layout; the launch
+// asks the same).
+__host__ __device__ constexpr size_t product_smem_bytes(int atoms, int groups) {
+  return smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups, stages_for_atoms(atoms));
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
@@ -490,8 +495,8 @@ __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const f
   for (int s = 0; s < 4; ++s)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // fragment register r of k-step s: n-tile 2 s + r / 2, entries 2 (r % 2) ..
-      const int j = 2 * s + r / 2, e = 2 * (r % 2), row_block = 2 * kWarpRank + e / 2;
-      const bool dropped = j != row_block && (kReverse ? j < row_block : j > row_block);
+      const int j = 2 * s + r / 2, e = 2 * (r % 2);
+      const bool dropped = j != 2 * kWarpRank + e / 2 && !kept(j, e);  // a block off the diagonal, zero whole
       a[s][r] = dropped ? 0u  // (the compiler does not fold a conversion of zeros)
                         : pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
     }
@@ -586,7 +591,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   constexpr int kSlot = 2 * kAtoms + kGroups;  // tiles a stage slot: A, B (kAtoms each), each group's Cc
   // in tiles: the state copies (two parts of kAtoms tiles, a group), then each group's staging rows
   constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 2 * kAtoms * kGroups;
-  static_assert(smem_bytes(kSlot, 2 * kAtoms * kGroups, kGroups, kDepth) <= 227 * 1024, "shared memory of one block");
+  static_assert(product_smem_bytes(kAtoms, kGroups) <= 227 * 1024, "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
