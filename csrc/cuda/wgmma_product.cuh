@@ -251,6 +251,22 @@ struct Stager {
   // on, or back (kBack).
   template <bool kBack, int kAtoms = 1>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const void* any, int n) const {
+    constexpr uint32_t kAll = (1u << kAtoms) - 1;
+    if (kAtoms > 2 && vectors && n == C && __all_sync(0xffffffffu, src.inside == kAll)) {
+      // a whole chunk of every atom (the common case; asked of the warp, so that a width that ends
+      // inside an atom sends no warp down both paths): each of the four rows' address once, the
+      // atoms at constant offsets from it (LDGSTS's immediate), where each atom's pieces took
+      // their own 64-bit adds. Four atoms only: measured on the H200 (RESULTS.md, twenty-fourth
+      // session) it made the four-atom kernels 10-13% faster and the two-atom ones 2-4% slower.
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint16_t* row = src.next + i * src.piece_step;
+#pragma unroll
+        for (int a = 0; a < kAtoms; ++a) copy_16(tile + a * kTile + piece0 + 2048 * i, row + 64 * a, true);
+      }
+      src.next += kBack ? -4 * src.piece_step : 4 * src.piece_step;
+      return;
+    }
 #pragma unroll
     for (int a = 0; a < kAtoms; ++a) {
       const uint32_t at = tile + a * kTile + piece0;
