@@ -401,6 +401,11 @@ TORCH_LIBRARY(fast_causal_attn, m) {
         " Tensor? out, Tensor? den, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens, float scale,"
         " bool normalize, str layout, Tensor? segment_kv=None, Tensor? segment_k_sum=None)"
         " -> (Tensor grad_q, Tensor grad_k, Tensor grad_v, Tensor grad_initial_kv, Tensor grad_initial_k_sum)");
+  // forward's results that a caller sees, differentiable in q, k, v and the initial state: the
+  // backward op is its gradient (csrc/autograd.cpp)
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? initial_kv, Tensor? initial_k_sum, Tensor? cu_seqlens,"
+        " float scale, bool normalize, float eps, str layout, bool return_final_state, bool keep_segments)"
+        " -> (Tensor out, Tensor final_kv, Tensor final_k_sum)");
 }
 
 #ifndef FAST_CAUSAL_ATTN_WITH_CUDA

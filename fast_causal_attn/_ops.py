@@ -1,4 +1,4 @@
-"""The registered torch ops, their fake (meta) implementations and the autograd Function."""
+"""The registered torch ops, their fake (meta) implementations and the differentiable call."""
 import collections
 
 import torch
@@ -6,7 +6,7 @@ import torch
 from . import _C  # loads the library (its static initializers register the ops); plan_forward_segments
 
 _forward = torch.ops.fast_causal_attn.forward.default
-_backward = torch.ops.fast_causal_attn.backward.default
+_attention = torch.ops.fast_causal_attn.attention.default
 
 State = collections.namedtuple("State", ["kv", "k_sum"])
 State.__doc__ = """The running state of causal linear attention, per batch and head.
@@ -109,47 +109,45 @@ def _backward_fake(grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den,
             q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc))
 
 
-class CausalDotProduct(torch.autograd.Function):
-    """Differentiable causal linear attention over the registered ops.
+@torch.library.register_fake("fast_causal_attn::attention")
+def _attention_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout,
+                    return_final_state, keep_segments):
+    out, _, final_kv, final_k_sum, _, _ = _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale,
+                                                        normalize, eps, layout, return_final_state, keep_segments)
+    return out, final_kv, final_k_sum
 
-    ``CausalDotProduct.apply(q, k, v)`` is a drop-in for fast-transformers' class of the same name
-    (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of the op. With
-    return_final_state it returns (out, final_kv, final_k_sum), else out.
+
+def _keep_segments(q, v):
+    """Whether the forward keeps its segment starts for the dq pass (CUDA): always in eager mode
+    and, compiled, where the shapes are static, when their count is planned ahead
+    (_planned_segments). With symbolic shapes it would be a size only the real call knows, and
+    such a size keeps CUDA graphs (mode="reduce-overhead") off the whole graph: there the dq pass
+    sums its segments itself."""
+    return not torch.compiler.is_compiling() or _static_shapes(q, v)
+
+
+class CausalDotProduct:
+    """Causal linear attention through the registered ops, differentiable.
+
+    ``CausalDotProduct.apply(q, k, v)`` is a drop-in for fast-transformers' autograd Function of
+    the same name (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of
+    the op. With return_final_state it returns (out, final_kv, final_k_sum), else out. The
+    gradient is the C++ autograd node of the op fast_causal_attn::attention (csrc/autograd.cpp):
+    no Python runs in the backward, and the forward's Python is this function.
     """
+
+    @staticmethod
+    def apply(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
+              return_final_state=False, cu_seqlens=None):
+        out, final_kv, final_k_sum = _attention(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,
+                                                eps, layout, return_final_state, _keep_segments(q, v))
+        return (out, final_kv, final_k_sum) if return_final_state else out
 
     @staticmethod
     def run(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
             return_final_state=False, cu_seqlens=None):
-        """The forward alone, with apply's arguments and results, for calls no gradient flows through."""
+        """The forward alone, with apply's arguments and results, for calls no gradient flows
+        through (one dispatch fewer than apply: a decoding step's latency at small batch)."""
         out, _, final_kv, final_k_sum, _, _ = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale,
                                                        normalize, eps, layout, return_final_state, False)
         return (out, final_kv, final_k_sum) if return_final_state else out
-
-    @staticmethod
-    def forward(ctx, q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None,
-                initial_k_sum=None, return_final_state=False, cu_seqlens=None):
-        # The forward's segment starts, from which the dq pass starts its own segments (CUDA), are
-        # kept in eager mode and, compiled, where the shapes are static: their count is then planned
-        # ahead (_planned_segments). With symbolic shapes it would be a size only the real call
-        # knows, and such a size keeps CUDA graphs (mode="reduce-overhead") off the whole graph:
-        # there the dq pass sums its segments itself.
-        keep_segments = not torch.compiler.is_compiling() or _static_shapes(q, v)
-        out, den, final_kv, final_k_sum, segment_kv, segment_k_sum = _forward(
-            q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state,
-            keep_segments)
-        ctx.save_for_backward(q, k, v, out if normalize else None, den if normalize else None, initial_kv,
-                              initial_k_sum, cu_seqlens, segment_kv, segment_k_sum)
-        ctx.scale, ctx.normalize, ctx.layout = scale, normalize, layout
-        ctx.return_final_state = return_final_state
-        return (out, final_kv, final_k_sum) if return_final_state else out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out, grad_final_kv=None, grad_final_k_sum=None):
-        q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens, segment_kv, segment_k_sum = ctx.saved_tensors
-        grad_q, grad_k, grad_v, grad_kv, grad_k_sum = _backward(
-            grad_out, grad_final_kv, grad_final_k_sum, q, k, v, out, den, initial_kv, initial_k_sum, cu_seqlens,
-            ctx.scale, ctx.normalize, ctx.layout, segment_kv, segment_k_sum)
-        if initial_kv is None:
-            grad_kv = grad_k_sum = None
-        return grad_q, grad_k, grad_v, None, None, None, None, grad_kv, grad_k_sum, None, None

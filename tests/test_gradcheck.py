@@ -28,3 +28,49 @@ def test_gradcheck_causal_dot_product(device):
     q, k, v = make_inputs(2, 2, 67, 5, 3, dtype=torch.float64, device=device)
     inputs = tuple(x.requires_grad_() for x in (q, k, v))
     assert torch.autograd.gradcheck(fast_causal_attn.causal_dot_product, inputs)
+
+
+def _outputs_with_state(device, normalize):
+    """q, k, v (requiring grad) and an initial state, with the call's out and final state."""
+    from reference import make_state
+
+    q, k, v = make_inputs(2, 3, 70, 5, 4, dtype=torch.float64, device=device, normalize=normalize)
+    kv0, k_sum0 = (x.to(device) for x in make_state(2, 3, 5, 4, torch.float64, normalize))
+    leaves = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
+    out, state = fast_causal_attn.causal_linear_attention(
+        *leaves[:3], normalize=normalize, initial_state=fast_causal_attn.State(*leaves[3:]), return_final_state=True)
+    return leaves, (out, state.kv, state.k_sum)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (1, 2), (0, 2)], ids=["out", "kv", "k_sum", "state", "out_k_sum"])
+def test_gradients_of_some_outputs(used, normalize, device):
+    """Outputs no loss uses reach the backward without a gradient (nothing materializes zeros for
+    them); the gradients are those of a loss that weighs the unused outputs by zero."""
+    leaves, outputs = _outputs_with_state(device, normalize)
+    weights = [torch.randn_like(x) for x in outputs]
+    loss = sum((outputs[i] * weights[i]).sum() for i in used)
+    grads = torch.autograd.grad(loss, leaves, retain_graph=True, allow_unused=True)
+    zero_weighted = sum((x * (w if i in used else torch.zeros_like(w))).sum()
+                        for i, (x, w) in enumerate(zip(outputs, weights)))
+    expected = torch.autograd.grad(zero_weighted, leaves)
+    for name, g, e in zip(("q", "k", "v", "kv0", "k_sum0"), grads, expected):
+        assert g is not None, name
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_derivative_is_refused(device):
+    """create_graph=True gives the first derivatives; differentiating them again raises (the
+    backward is not itself differentiable) instead of returning silently wrong numbers."""
+    q, k, v = (x.requires_grad_() for x in make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device))
+    grad_out = torch.randn_like(v)
+    out = fast_causal_attn.causal_dot_product(q, k, v)
+    once = torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    with_graph = torch.autograd.grad(out, (q, k, v), grad_out, create_graph=True)
+    for a, b in zip(with_graph, once):
+        torch.testing.assert_close(a.detach(), b, rtol=0, atol=0)
+    assert all(g.requires_grad for g in with_graph)
+    with pytest.raises(RuntimeError, match="the backward is not differentiable"):
+        torch.autograd.grad(with_graph[0].sum(), q)

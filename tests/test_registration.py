@@ -37,9 +37,9 @@ def op_case(layout, normalize, with_state, device, L=70):
     return (q, k, v, *(x.to(device) for x in make_state(B, H, q.shape[-1], v.shape[-1], q.dtype, normalize)))
 
 
-# The ops carry no autograd kernel of their own: gradients come from the autograd.Function that
-# the public API goes through (tested by gradcheck), so opcheck runs them on inputs that do not
-# require grad and its autograd-registration check has nothing to flag.
+# forward and backward carry no autograd kernel of their own: their gradient is the autograd
+# kernel of the op attention (csrc/autograd.cpp), which the public API goes through (tested by
+# gradcheck). opcheck runs them on inputs that do not require grad, and attention on inputs that do.
 segment_lengths = pytest.mark.parametrize("L", [70, SEGMENTED_L], ids=["short", "segmented"])
 
 
@@ -68,6 +68,24 @@ def test_opcheck_backward(layout, normalize, with_state, device, L, with_segment
     segments = (segment_kv, segment_k_sum) if with_segments else (None, None)
     torch.library.opcheck(ops.backward.default, (grad_out, *grad_final, q, k, v, *saved, kv0, k_sum0, None, 0.5,
                                                  normalize, layout, *segments))
+
+
+@op_cases
+@segment_lengths
+def test_opcheck_attention(layout, normalize, with_state, device, L):
+    q, k, v, kv0, k_sum0 = op_case(layout, normalize, with_state, device, L)
+    leaves = [None if x is None else x.requires_grad_() for x in (q, k, v, kv0, k_sum0)]
+    torch.library.opcheck(ops.attention.default, (*leaves, None, 0.5, normalize, 1e-6, layout, with_state, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_in_inference_mode(device):
+    """Inference tensors skip autograd's dispatch: attention is then the forward alone."""
+    q, k, v = op_inputs(device, "bhld", False)
+    expected = ops.forward(q, k, v, None, None, None, 0.5, False, 1e-6, "bhld", False, False)[0]
+    with torch.inference_mode():
+        out = ops.attention(q, k, v, None, None, None, 0.5, False, 1e-6, "bhld", False, False)[0]
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("device", DEVICES)
