@@ -61,15 +61,21 @@ if has build; then
 fi
 
 # fla's Triton kernels compile on first use, minutes for the whole list (one call's limit, beside
-# the tests). The compiled kernels come back as $OUT/triton_cache.tar.gz; saved as
-# third_party/triton_cache.tar.gz (git-ignored, carried with third_party) they are unpacked here
-# and the next call finds them compiled.
+# the tests). The compiled kernels come back as $OUT/triton_cache.tar.gz.part00, part01, ... (a
+# file that comes back holds at most 16 MiB; bf16 and fp32 together were 24 MB); saved as
+# third_party/triton_cache.tar.gz.part* (git-ignored, carried with third_party) they are unpacked
+# here and the next call finds them compiled (as does one whole third_party/triton_cache.tar.gz).
 export TRITON_CACHE_DIR=/tmp/triton_cache TRITON_CACHE_AUTOTUNING=1
 mkdir -p "$TRITON_CACHE_DIR"
-[[ -f third_party/triton_cache.tar.gz ]] && tar xzf third_party/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
+if compgen -G "third_party/triton_cache.tar.gz.part*" >/dev/null; then
+  cat third_party/triton_cache.tar.gz.part* | tar xzf - -C "$TRITON_CACHE_DIR"
+elif [[ -f third_party/triton_cache.tar.gz ]]; then
+  tar xzf third_party/triton_cache.tar.gz -C "$TRITON_CACHE_DIR"
+fi
 save_triton_cache() {
-  tar czf "$OUT/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . &&
-    echo "triton cache: $(du -sh "$OUT/triton_cache.tar.gz" | cut -f1) in \$OUT/triton_cache.tar.gz"
+  rm -f "$OUT"/triton_cache.tar.gz.part*
+  tar czf - -C "$TRITON_CACHE_DIR" . | split -b 15m -d - "$OUT/triton_cache.tar.gz.part" &&
+    echo "triton cache: $(cat "$OUT"/triton_cache.tar.gz.part* | wc -c) bytes in \$OUT/triton_cache.tar.gz.part*"
 }
 # Compile the peers' kernels beside the tests (same cases and methods as the bench stage), so that
 # the bench stage finds them cached.
