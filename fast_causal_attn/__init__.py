@@ -8,7 +8,7 @@ For each batch and head, with q' = scale * q:
 import torch
 
 from . import feature_maps, nn
-from ._ops import CausalDotProduct, State, autocast_dtype
+from ._ops import CausalDotProduct, State, attend, autocast_dtype
 
 __all__ = ["causal_dot_product", "causal_linear_attention", "CausalDotProduct", "State", "feature_maps", "nn"]
 __version__ = "0.1.0"
@@ -56,22 +56,12 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
         whole gives.
     """
     kv, k_sum = (None, None) if initial_state is None else initial_state
-    args = (float(scale), bool(normalize), float(eps), layout, kv, k_sum, bool(return_final_state), cu_seqlens)
+    args = (cu_seqlens, float(scale), bool(normalize), float(eps), layout, bool(return_final_state))
     run_dtype = autocast_dtype(q)
     if run_dtype is None:
-        result = _apply(q, k, v, kv, k_sum, args)
+        out, final_kv, final_k_sum = attend(q, k, v, kv, k_sum, *args)
     else:  # run in the autocast dtype (accumulating in float32); the state stays float32
         q, k, v = (x.to(run_dtype) for x in (q, k, v))
         with torch.autocast(q.device.type, enabled=False):
-            result = _apply(q, k, v, kv, k_sum, args)
-    if return_final_state:
-        out, final_kv, final_k_sum = result
-        return out, State(final_kv, final_k_sum)
-    return result
-
-
-def _apply(q, k, v, kv, k_sum, args):
-    """Through the differentiable op when a gradient can flow, else straight to the forward op."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, kv, k_sum)):
-        return CausalDotProduct.apply(q, k, v, *args)
-    return CausalDotProduct.run(q, k, v, *args)
+            out, final_kv, final_k_sum = attend(q, k, v, kv, k_sum, *args)
+    return (out, State(final_kv, final_k_sum)) if return_final_state else out

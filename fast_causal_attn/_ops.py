@@ -126,6 +126,20 @@ def _keep_segments(q, v):
     return not torch.compiler.is_compiling() or _static_shapes(q, v)
 
 
+def attend(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state):
+    """(out, final_kv, final_k_sum): through the differentiable op where a gradient can flow,
+    else the forward op alone (one dispatch fewer: a decoding step's latency at small batch).
+    The final state is empty without return_final_state."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                    (initial_kv is not None and initial_kv.requires_grad) or
+                                    (initial_k_sum is not None and initial_k_sum.requires_grad)):
+        return _attention(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout,
+                          return_final_state, _keep_segments(q, v))
+    out, _, final_kv, final_k_sum, _, _ = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,
+                                                   eps, layout, return_final_state, False)
+    return out, final_kv, final_k_sum
+
+
 class CausalDotProduct:
     """Causal linear attention through the registered ops, differentiable.
 
@@ -133,21 +147,12 @@ class CausalDotProduct:
     the same name (unnormalized, scale 1, [B, H, L, D]); the trailing arguments expose the rest of
     the op. With return_final_state it returns (out, final_kv, final_k_sum), else out. The
     gradient is the C++ autograd node of the op fast_causal_attn::attention (csrc/autograd.cpp):
-    no Python runs in the backward, and the forward's Python is this function.
+    no Python runs in the backward.
     """
 
     @staticmethod
     def apply(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
               return_final_state=False, cu_seqlens=None):
-        out, final_kv, final_k_sum = _attention(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize,
-                                                eps, layout, return_final_state, _keep_segments(q, v))
-        return (out, final_kv, final_k_sum) if return_final_state else out
-
-    @staticmethod
-    def run(q, k, v, scale=1.0, normalize=False, eps=1e-6, layout="bhld", initial_kv=None, initial_k_sum=None,
-            return_final_state=False, cu_seqlens=None):
-        """The forward alone, with apply's arguments and results, for calls no gradient flows
-        through (one dispatch fewer than apply: a decoding step's latency at small batch)."""
-        out, _, final_kv, final_k_sum, _, _ = _forward(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale,
-                                                       normalize, eps, layout, return_final_state, False)
+        out, final_kv, final_k_sum = attend(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps,
+                                            layout, return_final_state)
         return (out, final_kv, final_k_sum) if return_final_state else out
