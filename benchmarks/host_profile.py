@@ -7,7 +7,8 @@ the public API, by op and by CUDA runtime call (launches, attribute sets, alloca
 Beside benchmark.py --kernel-time ("host per call" against "GPU busy per call") it tells which
 host work to cut when a call is bound by it. Each section times `iters` calls back to back (the
 GPU not waited for) without the profiler, beside two baselines (a builtin op's and a Python
-Function's fwd+bwd: what autograd costs any call), then lists the profiled calls' CPU events.
+Function's fwd+bwd: what autograd costs any call) and the ops' own host times (no autograd),
+then lists the profiled calls' CPU events.
 """
 import argparse
 
@@ -42,6 +43,21 @@ def baselines(v, dout, iters):
     return builtin, python
 
 
+def op_times(q, k, v, dout, iters):
+    """The host's ms per call of the ops alone, no autograd: the forward op, the backward op (on
+    the forward's own results) and the differentiable op's forward (its C++ autograd node,
+    csrc/autograd.cpp), so that what the ops cost can be told from what autograd adds."""
+    ops = torch.ops.fast_causal_attn
+    args = (None, None, None, 1.0, False, 1e-6, "bhld", False, True)
+    results = ops.forward(q, k, v, *args)
+    forward = host_ms(lambda: ops.forward(q, k, v, *args), iters)
+    backward = host_ms(lambda: ops.backward(dout, None, None, q, k, v, None, None, None, None, None, 1.0, False,
+                                            "bhld", results[4], results[5]), iters)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    attention = host_ms(lambda: ops.attention(*leaves, *args), iters)
+    return forward, backward, attention
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default=SHAPES, help='"B,H,L,E,M;..."')
@@ -70,6 +86,9 @@ def main():
               f"forward+backward {host_ms(forward_backward, args.iters):.3f}")
         builtin, python = baselines(v, dout, args.iters)
         print(f"  baselines, fwd+bwd host ms per call: builtin op {builtin:.3f}, Python Function {python:.3f}")
+        forward_op, backward_op, attention_op = op_times(q, k, v, dout, args.iters)
+        print(f"  the ops alone, host ms per call: forward {forward_op:.3f}, backward {backward_op:.3f}, "
+              f"attention (forward with its autograd node) {attention_op:.3f}")
         forward_backward()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
