@@ -4,7 +4,7 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICES
-from reference import make_inputs
+from reference import make_inputs, make_state
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -32,8 +32,6 @@ def test_gradcheck_causal_dot_product(device):
 
 def _outputs_with_state(device, normalize):
     """q, k, v (requiring grad) and an initial state, with the call's out and final state."""
-    from reference import make_state
-
     q, k, v = make_inputs(2, 3, 70, 5, 4, dtype=torch.float64, device=device, normalize=normalize)
     kv0, k_sum0 = (x.to(device) for x in make_state(2, 3, 5, 4, torch.float64, normalize))
     leaves = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))

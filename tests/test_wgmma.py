@@ -33,7 +33,8 @@ def training_step_kernels(B, H, dtype, L=200, E=64, M=64):
 
 
 def wgmma_passes(names):
-    return {n[n.index("Pass)") + 5] for n in names if "wgmma_product_kernel" in n}
+    """The passes of the 16-bit wgmma_product_kernel instances launched ("0" to "3")."""
+    return {pass_ for pass_, _, _ in wgmma_instances(names)}
 
 
 @CUDA
