@@ -67,7 +67,9 @@ optional<Tensor> if_defined(const Tensor& t) { return t.defined() ? optional<Ten
 enum Saved { kQ, kK, kV, kOut, kDen, kInitialKv, kInitialKSum, kCuSeqlens, kSegmentKv, kSegmentKSum, kSavedCount };
 
 // The gradients that the backward returns under create_graph=True, joined to q, k, v and the
-// initial state by a node that raises when anything differentiates through them.
+// initial state by a node that raises when anything differentiates through them. (torch's own
+// DelayedError node is held by std::shared_ptr in some torch versions and c10::intrusive_ptr in
+// others; a Function builds its node the same way in all.)
 struct RefuseSecondDerivative : public torch::autograd::Function<RefuseSecondDerivative> {
   // grads: the defined ones
   static variable_list forward(AutogradContext*, at::TensorList grads, const Tensor&, const Tensor&, const Tensor&,
