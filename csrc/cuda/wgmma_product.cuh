@@ -307,8 +307,9 @@ struct Stager {
 template <int kDepth = kStages>
 struct StageRing {
   int slot = 0;  // chunk it's
-  // Chunk it in shared memory for every thread, and seen by wgmma with the state copy each thread
-  // wrote; after this, the slot of chunk it - 1 (refill) is free for chunk it + kDepth - 1.
+  // Chunk it in shared memory for every thread and seen by wgmma (with whatever else each thread
+  // wrote to shared memory before); after this, the slot of chunk it - 1 (refill) is free for
+  // chunk it + kDepth - 1.
   __device__ __forceinline__ void arrive() const {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");
     fence_shared_writes();
@@ -653,68 +654,89 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   float state[kAtoms][32];
 #pragma unroll
   for (int a = 0; a < kAtoms; ++a) load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, 64 * a, m0);
-  if (!state_only) copy.publish_first(state);
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
-  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    ring.arrive();
-    const int next_slot = ring.refill();
-    const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
-                   ct = tile_of(ring.slot, 2 * kAtoms + group);
-    if (state_only) {
+  if (state_only) {  // the segment's own B^T Cc alone
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      ring.arrive();
       fence();
-      add_bt_times_c<kHalf>(state, bt, ct);  // S += B^T Cc
+      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms), tile_of(ring.slot, 2 * kAtoms + group));  // S += B^T Cc
       commit();
-      issue(it + kDepth - 1, next_slot);
+      issue(it + kDepth - 1, ring.refill());
       wait<0>();
-      continue;
     }
-
-    float score[32], out[32];  // set by their first products (accumulate = false)
-    fence();
-    scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
-    commit();
-    if constexpr (kAtoms == 4) {
-      // The state's 128 registers leave no room for the scores, A S and P at once (that order
-      // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
-      // and P Cc.
-      add_bt_times_c<kHalf>(state, bt, ct);
-      commit();
-      issue(it + kDepth - 1, next_slot);
-      wait<1>();  // the scores
-      uint32_t masked[4][4];
-      masked_fragments<kHalf, kReverse>(masked, score);
-      fence();
-      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
-      if constexpr (kHalf) {  // back to S's scale before P Cc adds in
-        commit();
-        wait<0>();
-        copy.scale_back(out);
-        fence();
-      }
-      add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
-      commit();
+  } else {
+    // Where the copy of the state before a chunk is made: up to two atoms beside the chunk's
+    // scores (the tensor cores work while the copy's conversion runs; the scores read only the
+    // staged A and B), at four at the end of the chunk before, where nothing runs beside it.
+    // Measured on the H200 (RESULTS.md, twenty-fourth session): beside the scores, two atoms'
+    // forward and dq 3-6% faster; four atoms no faster, with twice the spills.
+    constexpr bool kCopyBesideScores = kAtoms < 4;
+    if constexpr (kCopyBesideScores) {
+      if constexpr (kHalf) copy.post_max(state);  // the first copy's scale, read after the barrier of arrive
     } else {
-      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
-      commit();
-      add_bt_times_c<kHalf>(state, bt, ct);
-      commit();
-      issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-      wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
-      copy.scale_back(out);
-      add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+      copy.publish_first(state);
     }
-    wait<0>();
-    if constexpr (kHalf) copy.post_max(state);  // the state after this chunk; read after the barrier below
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      ring.arrive();  // chunk it staged (and a copy made at the end of the chunk before, seen)
+      const int next_slot = ring.refill();
+      const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
+                     ct = tile_of(ring.slot, 2 * kAtoms + group);
+      float score[32], out[32];  // set by their first products (accumulate = false)
+      fence();
+      scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
+      commit();
+      if constexpr (kCopyBesideScores) {
+        copy.publish(state);
+        fence_shared_writes();
+        __syncthreads();  // the copy seen by every warp's wgmma
+      }
+      if constexpr (kAtoms == 4) {
+        // The state's 128 registers leave no room for the scores, A S and P at once (that order
+        // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
+        // and P Cc.
+        fence();
+        add_bt_times_c<kHalf>(state, bt, ct);
+        commit();
+        issue(it + kDepth - 1, next_slot);
+        wait<1>();  // the scores
+        uint32_t masked[4][4];
+        masked_fragments<kHalf, kReverse>(masked, score);
+        fence();
+        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        if constexpr (kHalf) {  // back to S's scale before P Cc adds in
+          commit();
+          wait<0>();
+          copy.scale_back(out);
+          fence();
+        }
+        add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
+        commit();
+      } else {
+        fence();
+        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        commit();
+        add_bt_times_c<kHalf>(state, bt, ct);
+        commit();
+        issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
+        wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
+        copy.scale_back(out);
+        add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+      }
+      wait<0>();
+      if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
-    const int64_t t0 = chunk_begin(it);
-    store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols,
-                      stage.vectors);
-    __syncthreads();     // every warp's wgmma has read the state copy
-    copy.publish(state);  // S after this chunk, for the next
+      const int64_t t0 = chunk_begin(it);
+      store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols,
+                        stage.vectors);
+      if constexpr (!kCopyBesideScores) {
+        __syncthreads();      // every warp's wgmma has read the state copy
+        copy.publish(state);  // S after this chunk, for the next
+      }
+    }
   }
   float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
 #pragma unroll
