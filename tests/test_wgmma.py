@@ -237,11 +237,29 @@ def test_16_bit_two_reverse_passes(shape, segments, dtype, monkeypatch):
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 @pytest.mark.parametrize("width", [64, 128])
 def test_16_bit_plain_unaligned_rows(width, wgmma, dtype, monkeypatch):
-    """Rows that do not start at 16-byte boundaries (a view one element in) are copied element by
-    element: the same results, E = M = 64 and 128 (two atoms; dk and dv on the wide kernel)."""
+    """Rows that do not start at 16-byte boundaries (a view one element in) are copied into aligned
+    ones by the ops: the same results, E = M = 64 and 128 (two atoms; dk and dv on the wide
+    kernel)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, width + 1, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_unaligned_rows_take_the_wgmma_kernels(dtype):
+    """The wgmma kernels stage and store whole 16-byte rows only; rows off 16-byte boundaries (a
+    view one element in) are copied into aligned ones by the ops, so a training step on them still
+    runs every pass there, with no other product kernel."""
+    q, k, v = (torch.randn(2, 3, 200, 65, device="cuda", dtype=dtype)[..., 1:].requires_grad_() for _ in range(3))
+    assert all(x.data_ptr() % 16 != 0 for x in (q, k, v))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_dot_product(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    products = [n for n in names if "product_kernel" in n or "grad_kv" in n]
+    assert products and all("wgmma" in n for n in products), names
 
 
 @CUDA
@@ -403,8 +421,8 @@ def test_float32_long_sequence_stays_exact(wgmma, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 def test_float32_unaligned_rows(wgmma, monkeypatch):
-    """float32 rows that do not start at 16-byte boundaries (a view one element in) are copied
-    element by element: the same float32-accurate results."""
+    """float32 rows that do not start at 16-byte boundaries (a view one element in) are copied into
+    aligned ones by the ops: the same float32-accurate results."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, 65, device="cuda")[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")

@@ -176,13 +176,12 @@ struct Source {
 // This thread's 16-byte pieces of a staged tile: columns 4 (tid % 16) on, rows tid / 16 + 8 i
 // (i < 8); sixteen lanes copy one 256-byte row (eight to an atom's 128-byte row, whole lines to
 // the L2, as wgmma_product.cuh's Stager). Rows past the chunk and columns past the operand's width
-// (a multiple of 4: wgmma_takes) are zeros; rows that are not 16-byte vectors are copied element
-// by element into the same places.
+// (a multiple of 4: wgmma_takes) are zeros. Every row is 16-byte vectors (launch_wgmma checks;
+// the ops copy rows off 16-byte boundaries into aligned ones).
 struct Stager {
   int row0, col;
   uint32_t piece0;  // row0's piece in a tile; piece i (8 rows on: the same row % 8) at + 1024 i
-  bool vectors;
-  __device__ Stager(int tid, bool vectors_) : row0(tid / 16), col(4 * (tid % 16)), vectors(vectors_) {
+  __device__ explicit Stager(int tid) : row0(tid / 16), col(4 * (tid % 16)) {
     piece0 = uint32_t((col / 32) * 8192 + 128 * row0 + 16 * (((col % 32) / 4) ^ row0));
   }
   template <typename Rows>
@@ -194,24 +193,10 @@ struct Stager {
   // address of the operand (the zero copies' source). Then src steps a chunk on (back: kBack).
   template <bool kBack>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const float* any, int n) const {
-    if (vectors) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const bool valid = src.inside && row0 + 8 * i < n;
-        wgmma::copy_16(tile + piece0 + 1024 * i, valid ? src.next + i * src.piece_step : any, valid);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (src.inside && row0 + 8 * i < n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) x[e] = src.next[i * src.piece_step + e];
-        }
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + piece0 + 1024 * i), "f"(x[0]), "f"(x[1]),
-                     "f"(x[2]), "f"(x[3])
-                     : "memory");
-      }
+    for (int i = 0; i < 8; ++i) {
+      const bool valid = src.inside && row0 + 8 * i < n;
+      wgmma::copy_16(tile + piece0 + 1024 * i, valid ? src.next + i * src.piece_step : any, valid);
     }
     src.next += kBack ? -8 * src.piece_step : 8 * src.piece_step;
   }
@@ -267,7 +252,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 
   if (threadIdx.x >= kThreads) {  // the producer
     const int tid = threadIdx.x - kThreads;
-    const Stager stage(tid, p.rows_are_vectors);
+    const Stager stage(tid);
     const int64_t first = chunk_begin(0);
     Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
     Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
@@ -442,15 +427,9 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
         }
     };
     if (row_tiles > 1) {  // two row tiles' sums into a zeroed buffer: 0 + x + y, either order alike
-      if (p.rows_are_vectors) {
-        stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
-      } else {
-        stores([](float* at, float x, float y) { atomicAdd(at, x), atomicAdd(at + 1, y); });
-      }
-    } else if (p.rows_are_vectors) {
-      stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
+      stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
     } else {
-      stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
+      stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
     add_to_state(sums);
   }
