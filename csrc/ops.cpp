@@ -35,9 +35,19 @@ at::Tensor as_bhld(const at::Tensor& t, Layout layout) {
   return layout == Layout::BLHD ? t.transpose(1, 2) : t;
 }
 
-// The kernels read rows of D contiguous elements; any other stride costs one copy here.
+// The kernels read rows of D contiguous elements; any other stride costs one copy here. On CUDA a
+// row of whole 16-byte vectors (D elements a multiple of 16 bytes) that starts off a 16-byte
+// boundary (a view at an odd offset, a row stride that is not whole vectors) is copied too, into
+// a fresh tensor, where it starts on one: the kernels then stage every such row 16 bytes at a
+// time, and the wgmma kernels have no other path (launch_wgmma checks).
 at::Tensor with_contiguous_rows(const at::Tensor& t) {
-  return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+  const at::Tensor rows = (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous();
+  if (!rows.is_cuda() || rows.numel() == 0) return rows;
+  const int64_t bytes = rows.element_size();
+  if ((rows.size(-1) * bytes) % 16 != 0) return rows;
+  bool aligned = reinterpret_cast<uintptr_t>(rows.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; d + 1 < rows.dim(); ++d) aligned = aligned && (rows.stride(d) * bytes) % 16 == 0;
+  return aligned ? rows : rows.clone(at::MemoryFormat::Contiguous);
 }
 
 // A new tensor of `like`'s [B, H, L, D] shape, contiguous in `layout`, returned as its bhld view.

@@ -35,7 +35,8 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
             (a positive feature map), as in linear transformers.
         eps: added to the normalizer; must be finite and > 0.
         layout: ``"bhld"`` or ``"blhd"`` (flash-attn's and fla's). Inputs are read through their
-            strides; only an input whose last dimension is not contiguous is copied.
+            strides; only an input whose last dimension is not contiguous, or on CUDA whose rows
+            start off 16-byte boundaries, is copied.
         initial_state: a ``State(kv, k_sum)`` (kv [B, H, E, M], k_sum [B, H, E], float32 or float64
             for float64 inputs) to start from, e.g. the final state of the previous piece of the
             sequence; None starts from zero. On CUDA, E and M up to 256.

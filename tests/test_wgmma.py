@@ -1,7 +1,7 @@
 """The wgmma kernels (csrc/cuda/wgmma_product.cuh: bfloat16 and float16, each pass alone for E and
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
-E and M up to 128 (above 64 in row and column tiles of 64), 3xTF32 or TF32 where allowed; no
+E and M up to 256 (above 64 in row and column tiles of 64), 3xTF32 or TF32 where allowed; no
 normalize, no states in or out; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
@@ -238,11 +238,29 @@ def test_16_bit_two_reverse_passes(shape, segments, dtype, monkeypatch):
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 @pytest.mark.parametrize("width", [64, 128])
 def test_16_bit_plain_unaligned_rows(width, wgmma, dtype, monkeypatch):
-    """Rows that do not start at 16-byte boundaries (a view one element in) are copied element by
-    element: the same results, E = M = 64 and 128 (two atoms; dk and dv on the wide kernel)."""
+    """Rows that do not start at 16-byte boundaries (a view one element in) are copied into aligned
+    ones by the ops: the same results, E = M = 64 and 128 (two atoms; dk and dv on the wide
+    kernel)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, width + 1, device="cuda", dtype=dtype)[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_unaligned_rows_take_the_wgmma_kernels(dtype):
+    """The wgmma kernels stage and store whole 16-byte rows only; rows off 16-byte boundaries (a
+    view one element in) are copied into aligned ones by the ops, so a training step on them still
+    runs every pass there, with no other product kernel."""
+    q, k, v = (torch.randn(2, 3, 200, 65, device="cuda", dtype=dtype)[..., 1:].requires_grad_() for _ in range(3))
+    assert all(x.data_ptr() % 16 != 0 for x in (q, k, v))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_dot_product(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+    products = [n for n in names if "product_kernel" in n or "grad_kv" in n]
+    assert products and all("wgmma" in n for n in products), names
 
 
 @CUDA
@@ -276,7 +294,8 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     kernel (the forward, dq, and dk and dv as two reverse passes: Pass 0-3; 2048 steps on 6 pairs
     in time segments), 3xTF32, or TF32 alone where the user allowed it (torch's flag), no mma.sync
     kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off. At E = M = 128, and at E = 128 with M = 64, every
-    pass runs on it too (the state's rows in two row tiles, their outputs summed)."""
+    pass runs on it too (the state's rows in two row tiles, their outputs summed), and so it does
+    above 128 (up to four row tiles: 256, 200 with a partial one, 136 with three)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     for B, H, L in ((1, 1, 200), (2, 3, 200), (1, sms, 200), (2, sms, 200), (1, sms, 2048), (2, 3, 2048)):
@@ -286,7 +305,8 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
     assert not any("wgmma" in n for n in training_step_kernels(2, 3, torch.float32))
     monkeypatch.delenv("FAST_CAUSAL_ATTN_WGMMA")
-    for B, H, L, E, M in ((1, 2, 100, 128, 128), (2, sms, 300, 128, 128), (2, 3, 2048, 128, 64)):
+    for B, H, L, E, M in ((1, 2, 100, 128, 128), (2, sms, 300, 128, 128), (2, 3, 2048, 128, 64),
+                          (2, 3, 300, 256, 256), (1, 2, 200, 200, 136), (2, 3, 2048, 256, 64)):
         q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda"))
         with cuda_kernels_launched() as names:
             torch.autograd.grad(fast_causal_attn.causal_dot_product(q, k, v).sum(), (q, k, v))
@@ -343,13 +363,14 @@ def test_float32_grad_v_reads_grad_k_segments(monkeypatch):
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 4, 64), (3, 2, 64, 64, 12),
                                    (1, 1, 65, 36, 60), (1, 2, 300, 128, 128), (2, 1, 130, 100, 72),
-                                   (1, 1, 70, 40, 128)], ids=shape_id)
+                                   (1, 1, 70, 40, 128), (1, 2, 300, 256, 256), (2, 1, 130, 200, 136)],
+                         ids=shape_id)
 def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
     """float32's forward, dq, dk and dv on the wgmma kernel (or on mma.sync) in 1, 3 or 8 time
     segments (dk and dv in the default's choice, or as two reverse passes: on wgmma in segments
     too), whole and partial last chunks, E != M, head dims above 64 (two row tiles, a partial
-    one, column tiles), both layouts, two scales: within float32's 1e-5 of float64, as on
-    mma.sync."""
+    one, column tiles) and above 128 (three or four row tiles, the last two summed apart), both
+    layouts, two scales: within float32's 1e-5 of float64, as on mma.sync."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     if grad_kv == "two passes":
         monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
@@ -362,13 +383,15 @@ def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("segments", ["1", "3"])
-def test_float32_row_tiles_are_deterministic(segments, monkeypatch):
-    """Above 64 rows of the state, the float32 wgmma kernel's two row tiles add their outputs into
-    the zeroed output in whichever order they finish: 0 + x + y rounds as 0 + y + x, so the
-    forward and the gradients repeat bit for bit (and the output buffers, NaN-filled when
-    allocated, are zeroed first)."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_float32_row_tiles_are_deterministic(head_dim, segments, monkeypatch):
+    """Above 64 rows of the state, the float32 wgmma kernel's row tiles add their outputs two by
+    two into zeroed buffers in whichever order they finish (above 128, tiles 2 and 3 into their
+    own, added to the output after): 0 + x + y rounds as 0 + y + x, so the forward and the
+    gradients repeat bit for bit (and the output buffers, NaN-filled when allocated, are zeroed
+    first)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    q, k, v = make_inputs(2, 8, 700, 128, 128, dtype=torch.float32, device="cuda")
+    q, k, v = make_inputs(2, 8, 700, head_dim, head_dim, dtype=torch.float32, device="cuda")
     grad_out = torch.randn_like(v)
 
     def run():
@@ -399,8 +422,8 @@ def test_float32_long_sequence_stays_exact(wgmma, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])
 def test_float32_unaligned_rows(wgmma, monkeypatch):
-    """float32 rows that do not start at 16-byte boundaries (a view one element in) are copied
-    element by element: the same float32-accurate results."""
+    """float32 rows that do not start at 16-byte boundaries (a view one element in) are copied into
+    aligned ones by the ops: the same float32-accurate results."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     q, k, v = (torch.randn(2, 3, 200, 65, device="cuda")[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")

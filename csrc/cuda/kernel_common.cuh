@@ -52,6 +52,10 @@ struct KernelParams : BackwardParams {
   // writes the output. Unused (nullptr, 1 slab) otherwise.
   int64_t slabs = 1;
   void* slab_out = nullptr;  // [B, H, L, Dc] contiguous, accumulation dtype, zeroed
+  // The float32 wgmma kernel's row tiles 2 and 3 (above 128 of the state's rows) add their
+  // outputs here, tiles 0 and 1 into the output: a zeroed buffer with the output's strides, added
+  // to it after the pass (see RowTileSums in wgmma_launch.cuh).
+  float* upper_row_tiles_out = nullptr;
   void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
 
   // The low-occupancy variant splits time into segments, one block each: a first launch
@@ -92,6 +96,12 @@ struct KernelParams : BackwardParams {
 
   bool has_state_io() const { return start_state || start_vector || end_state || end_vector || out_bias; }
 };
+
+// Pass P's output: the forward's o, or dq, dk, dv.
+template <Pass P>
+C10_HOST_DEVICE inline const StridedTensor& pass_output(const KernelParams& p) {
+  return P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
+}
 
 // Which passes run backward in time and which carry the normalizer's extra terms. What a, b and c
 // are in each pass is Operands' table below. Under normalize the gradients of q and k have an
@@ -148,7 +158,7 @@ struct Operands {
         dout(P == Pass::Forward ? nullptr : static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t_begin)),
         q_l(p.q.stride_l), k_l(p.k.stride_l), v_l(p.v.stride_l), dout_l(p.dout.stride_l),
         scale(acc_t(p.scale)), den(den_), dout_dot_out(dout_dot_out_) {
-    const StridedTensor& o = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
+    const StridedTensor& o = pass_output<P>(p);
     out = static_cast<scalar_t*>(o.ptr) + o.offset(b, h, t_begin);
     out_l = o.stride_l;
   }

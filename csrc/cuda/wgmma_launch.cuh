@@ -6,6 +6,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <ATen/ops/from_blob.h>
+
 #include "wgmma_product.cuh"
 #include "wgmma_tf32_product.cuh"
 
@@ -30,7 +32,8 @@ bool device_runs_sm90a();
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
 //  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
-//    up to 128 in whole 16-byte vectors (above 64 in row and column tiles of 64: at 128 faster than
+//    up to 256 in whole 16-byte vectors (above 64 in row and column tiles of 64; above 128 not
+//    yet measured against the recurrent kernels, which took it before; at 128 faster than
 //    the mma.sync and recurrent kernels at every shape measured, fwd / fwd+bwd ms, do_bench, H200,
 //    RESULTS.md, twenty-first session, call 2: 1,16,32768,128 1.519 / 5.191 against 1.895 / 7.392;
 //    8,16,2048,128 0.557 / 2.269 against 0.804 / 2.910; 2,4,8192,128 0.217 / 0.762 against 0.286 /
@@ -71,9 +74,8 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
     // 16-bit: one pass alone: Da up to 256 (four atoms), Dc in column tiles of 64 (two a block
     // up to two atoms); dk and dv in one pass: E and M up to 64 on one warpgroup, up to 128 on
-    // two. float32: Da and Dc in tiles of 64, two at most (two row tiles' outputs add alike in
-    // either order).
-    constexpr int64_t kMax = kFloat || P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
+    // two. float32: Da and Dc in tiles of 64, up to four (RowTileSums).
+    constexpr int64_t kMax = P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0 || p.normalize) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
@@ -112,19 +114,38 @@ inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem
   return segments;
 }
 
-// Zeroes pass P's output, [B, H, L, Dc] through its strides, for the float32 kernel's two row
-// tiles to add into (dense: the ops allocate every output whole, in either layout).
+// The float32 kernel's row tiles add their outputs into zeroed buffers, two tiles each (0 + x +
+// y rounds as 0 + y + x: bit for bit repeatable, where three or four addends in the order the
+// blocks finish would not be): tiles 0 and 1 into pass P's output, 2 and 3 (above 128 of the
+// state's rows) into a buffer with the output's strides, added to it once the pass has run
+// (finish). The output, [B, H, L, Dc] through its strides, is dense: the ops allocate every
+// output whole, in either layout.
 template <Pass P>
-void zero_output(const KernelParams& p, int64_t Dc, cudaStream_t stream) {
-  const StridedTensor& out = P == Pass::Forward ? p.o : P == Pass::GradQ ? p.dq : P == Pass::GradK ? p.dk : p.dv;
-  const int64_t count = p.B * p.H * p.L * Dc;
-  if (count == 0) return;
-  const int64_t span = (p.B - 1) * out.stride_b + (p.H - 1) * out.stride_h + (p.L - 1) * out.stride_l + Dc;
-  TORCH_CHECK(span == count, "fast_causal_attn: internal: the float32 wgmma kernel adds into a dense output; got ",
-              "strides (", out.stride_b, ", ", out.stride_h, ", ", out.stride_l, ") for [", p.B, ", ", p.H, ", ", p.L,
-              ", ", Dc, "]");
-  C10_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, size_t(count) * sizeof(float), stream));
-}
+struct RowTileSums {
+  at::Tensor upper;  // tiles 2 and 3's
+  int64_t count = 0;
+
+  RowTileSums(KernelParams& p, int64_t row_tiles, int64_t Dc, cudaStream_t stream) {
+    const StridedTensor& out = pass_output<P>(p);
+    count = p.B * p.H * p.L * Dc;
+    if (row_tiles <= 1 || count == 0) return;
+    const int64_t span = (p.B - 1) * out.stride_b + (p.H - 1) * out.stride_h + (p.L - 1) * out.stride_l + Dc;
+    TORCH_CHECK(span == count, "fast_causal_attn: internal: the float32 wgmma kernel adds into a dense output; got ",
+                "strides (", out.stride_b, ", ", out.stride_h, ", ", out.stride_l, ") for [", p.B, ", ", p.H, ", ",
+                p.L, ", ", Dc, "]");
+    C10_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, size_t(count) * sizeof(float), stream));
+    if (row_tiles > 2) {
+      upper = at::empty({count}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+      C10_CUDA_CHECK(cudaMemsetAsync(upper.data_ptr(), 0, size_t(count) * sizeof(float), stream));
+      p.upper_row_tiles_out = upper.data_ptr<float>();
+    }
+  }
+  // out += tiles 2 and 3's sum, on the current stream (the launches')
+  void finish(const KernelParams& p) const {
+    if (!upper.defined()) return;
+    at::from_blob(pass_output<P>(p).ptr, {count}, upper.options()).add_(upper);
+  }
+};
 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
@@ -135,7 +156,10 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   using wgmma::C;
   KernelParams p = params;
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  // every row in whole 16-byte vectors: E and M are (wgmma_takes), and the ops copy rows that start
+  // off 16-byte boundaries (with_aligned_rows in ops.cpp); the kernels copy nothing else
   p.rows_are_vectors = rows_are_vectors(p, sizeof(scalar_t));
+  TORCH_CHECK(p.rows_are_vectors, "fast_causal_attn: internal: the wgmma kernels take rows of whole 16-byte vectors");
   p.state_head = 0;
   const int64_t pairs = p.num_seqs * p.H;
   // 16-bit, one pass alone: Da in one, two or four atoms; the forward and dq with Dc above 64 and
@@ -143,7 +167,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // of 64 on one warpgroup each, for measuring), dk and dv (two reverse passes) in column tiles of
   // 64 on one: their two passes run only where E or M is above 128 (run_grad_kv), so one
   // instance each width, not two. float32: one warpgroup, column tiles of 64, and above 64 rows
-  // of the state two row tiles, one block each, adding their outputs into the zeroed output.
+  // of the state up to four row tiles, one block each, summing their outputs (RowTileSums).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
   const int groups = !kFloat && (P == Pass::Forward || P == Pass::GradQ) && atoms <= 2 && Dc > 64 &&
@@ -179,9 +203,10 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   if constexpr (P == Pass::GradQ || P == Pass::GradV) {
     if (take_forward_segments(p, C)) {
       if (!p.dry_run) {
-        if (row_tiles > 1) zero_output<P>(p, Dc, stream);
+        const RowTileSums<P> sums(p, row_tiles, Dc, stream);
         launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,
                             col_tiles);
+        sums.finish(p);
       }
       return {};
     }
@@ -190,8 +215,9 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
-  if (row_tiles > 1) zero_output<P>(p, Dc, stream);
+  const RowTileSums<P> sums(p, row_tiles, Dc, stream);
   launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
+  sums.finish(p);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
   }

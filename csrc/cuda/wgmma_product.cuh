@@ -225,14 +225,12 @@ struct Source {
 // source row is kept and stepped a chunk at a time, and a whole chunk is copied without row tests
 // (computed per piece and chunk, with 64-bit products and the row pointers reloaded from the
 // parameters, the copies' address arithmetic was the kernel's most-executed and most-stalled
-// work: H200 ncu, 8,16,2048). Rows that are not 16-byte vectors (KernelParams::rows_are_vectors)
-// are copied element by element, in the same places.
+// work: H200 ncu, 8,16,2048). Every row is 16-byte vectors (launch_wgmma checks
+// KernelParams::rows_are_vectors; the ops copy rows off 16-byte boundaries into aligned ones).
 struct Stager {
   int row0, col;
   uint32_t piece0;  // row0's piece in a tile; piece i (16 rows on: the same row % 8) at + 2048 i
-  bool vectors;
-  __device__ Stager(int tid, bool vectors_)
-      : row0(4 * (tid / kWarp) + (tid % kWarp) / 8), col(8 * (tid % 8)), vectors(vectors_) {
+  __device__ explicit Stager(int tid) : row0(4 * (tid / kWarp) + (tid % kWarp) / 8), col(8 * (tid % 8)) {
     piece0 = uint32_t(row0 * 128 + ((col / 8) ^ (row0 % 8)) * 16);
   }
   // x's rows (x: a pointer and a row stride) from row `first` on, columns col0 on (a column
@@ -246,13 +244,13 @@ struct Stager {
                   16 * x.stride, inside};
   }
   // The chunk of n rows at src.next into `tile` (kAtoms 64-column atoms, kTile bytes apart) as
-  // cp.async copies (element by element where rows are not vectors), zeros past n; `any`: a valid
+  // cp.async copies, zeros past n; `any`: a valid
   // address of the operand (the zero copies' source). Then src steps to the next chunk: C rows
   // on, or back (kBack).
   template <bool kBack, int kAtoms = 1>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const void* any, int n) const {
     constexpr uint32_t kAll = (1u << kAtoms) - 1;
-    if (kAtoms > 2 && vectors && n == C && __all_sync(0xffffffffu, src.inside == kAll)) {
+    if (kAtoms > 2 && n == C && __all_sync(0xffffffffu, src.inside == kAll)) {
       // a whole chunk of every atom (the common case; asked of the warp, so that a width that ends
       // inside an atom sends no warp down both paths): each of the four rows' address once, the
       // atoms at constant offsets from it (LDGSTS's immediate), where each atom's pieces took
@@ -272,27 +270,14 @@ struct Stager {
       const uint32_t at = tile + a * kTile + piece0;
       const bool inside = (src.inside >> a) & 1u;
       const uint16_t* from0 = src.next + (inside ? 64 * a : 0);
-      if (vectors && n == C) {
+      if (n == C) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) copy_16(at + 2048 * i, from0 + i * src.piece_step, inside);
-      } else if (vectors) {  // a partial chunk: the sequence's last
+      } else {  // a partial chunk: the sequence's last
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const bool valid = inside && row0 + 16 * i < n;
           copy_16(at + 2048 * i, valid ? static_cast<const void*>(from0 + i * src.piece_step) : any, valid);
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          uint32_t words[4] = {0, 0, 0, 0};
-          if (inside && row0 + 16 * i < n) {
-            const uint16_t* from = from0 + i * src.piece_step;
-#pragma unroll
-            for (int w = 0; w < 4; ++w) words[w] = uint32_t(from[2 * w]) | (uint32_t(from[2 * w + 1]) << 16);
-          }
-          asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(at + 2048 * i), "r"(words[0]),
-                       "r"(words[1]), "r"(words[2]), "r"(words[3])
-                       : "memory");
         }
       }
     }
@@ -307,8 +292,9 @@ struct Stager {
 template <int kDepth = kStages>
 struct StageRing {
   int slot = 0;  // chunk it's
-  // Chunk it in shared memory for every thread, and seen by wgmma with the state copy each thread
-  // wrote; after this, the slot of chunk it - 1 (refill) is free for chunk it + kDepth - 1.
+  // Chunk it in shared memory for every thread and seen by wgmma (with whatever else each thread
+  // wrote to shared memory before); after this, the slot of chunk it - 1 (refill) is free for
+  // chunk it + kDepth - 1.
   __device__ __forceinline__ void arrive() const {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");
     fence_shared_writes();
@@ -545,10 +531,10 @@ __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&s
 
 // An accumulator times factor, rounded into this warp's 16 staging rows (kOutStride elements
 // apart), then written out 16 bytes a lane: rows r < n, columns < width of out (rows out_l
-// apart), element by element where rows are not vectors.
+// apart).
 template <bool kHalf, typename scalar_t>
 __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor, uint16_t* staging, scalar_t* out,
-                                           int64_t out_l, int n, int64_t width, bool vectors) {
+                                           int64_t out_l, int n, int64_t width) {
   const int warp = group_warp(), lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
   __syncwarp();  // the warp's reads of its rows' previous contents are done
 #pragma unroll
@@ -564,15 +550,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
   for (int i = lane; i < 16 * 8; i += kWarp) {
     const int row = 16 * warp + i / 8, column = 8 * (i % 8);
     if (row < n && column < width) {
-      if (vectors) {
-        *reinterpret_cast<uint4*>(out + row * out_l + column) =
-            *reinterpret_cast<const uint4*>(staging + row * kOutStride + column);
-      } else {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          reinterpret_cast<uint16_t*>(out)[row * out_l + column + e] = staging[row * kOutStride + column + e];
-        }
-      }
+      *reinterpret_cast<uint4*>(out + row * out_l + column) =
+          *reinterpret_cast<const uint4*>(staging + row * kOutStride + column);
     }
   }
 }
@@ -624,7 +603,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   const int cols = int(Dc - m0 < C ? Dc - m0 : C);
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int64_t first_step = chunks > 0 ? chunk_begin(0) : work.seg_begin;
-  const Stager stage(int(threadIdx.x % kThreads), p.rows_are_vectors);
+  const Stager stage(int(threadIdx.x % kThreads));
   // kGroups == 1: A from first, B from second; kGroups == 2: group 0 A, group 1 B, from first.
   const bool stages_b_first = kGroups == 2 && group == 1;
   Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), first_step, Da);
@@ -653,68 +632,88 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   float state[kAtoms][32];
 #pragma unroll
   for (int a = 0; a < kAtoms; ++a) load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, 64 * a, m0);
-  if (!state_only) copy.publish_first(state);
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
-  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    ring.arrive();
-    const int next_slot = ring.refill();
-    const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
-                   ct = tile_of(ring.slot, 2 * kAtoms + group);
-    if (state_only) {
+  if (state_only) {  // the segment's own B^T Cc alone
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      ring.arrive();
       fence();
-      add_bt_times_c<kHalf>(state, bt, ct);  // S += B^T Cc
+      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms), tile_of(ring.slot, 2 * kAtoms + group));  // S += B^T Cc
       commit();
-      issue(it + kDepth - 1, next_slot);
+      issue(it + kDepth - 1, ring.refill());
       wait<0>();
-      continue;
     }
-
-    float score[32], out[32];  // set by their first products (accumulate = false)
-    fence();
-    scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
-    commit();
-    if constexpr (kAtoms == 4) {
-      // The state's 128 registers leave no room for the scores, A S and P at once (that order
-      // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
-      // and P Cc.
-      add_bt_times_c<kHalf>(state, bt, ct);
-      commit();
-      issue(it + kDepth - 1, next_slot);
-      wait<1>();  // the scores
-      uint32_t masked[4][4];
-      masked_fragments<kHalf, kReverse>(masked, score);
-      fence();
-      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
-      if constexpr (kHalf) {  // back to S's scale before P Cc adds in
-        commit();
-        wait<0>();
-        copy.scale_back(out);
-        fence();
-      }
-      add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
-      commit();
+  } else {
+    // Where the copy of the state before a chunk is made: up to two atoms beside the chunk's
+    // scores (the tensor cores work while the copy's conversion runs; the scores read only the
+    // staged A and B), at four at the end of the chunk before, where nothing runs beside it.
+    // Measured on the H200 (RESULTS.md, twenty-fourth session): beside the scores, two atoms'
+    // forward and dq 3-6% faster; four atoms no faster, with twice the spills.
+    constexpr bool kCopyBesideScores = kAtoms < 4;
+    if constexpr (kCopyBesideScores) {
+      if constexpr (kHalf) copy.post_max(state);  // the first copy's scale, read after the barrier of arrive
     } else {
-      times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
-      commit();
-      add_bt_times_c<kHalf>(state, bt, ct);
-      commit();
-      issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-      wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
-      copy.scale_back(out);
-      add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+      copy.publish_first(state);
     }
-    wait<0>();
-    if constexpr (kHalf) copy.post_max(state);  // the state after this chunk; read after the barrier below
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      ring.arrive();  // chunk it staged (and a copy made at the end of the chunk before, seen)
+      const int next_slot = ring.refill();
+      const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
+                     ct = tile_of(ring.slot, 2 * kAtoms + group);
+      float score[32], out[32];  // set by their first products (accumulate = false)
+      fence();
+      scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
+      commit();
+      if constexpr (kCopyBesideScores) {
+        copy.publish(state);
+        fence_shared_writes();
+        __syncthreads();  // the copy seen by every warp's wgmma
+      }
+      if constexpr (kAtoms == 4) {
+        // The state's 128 registers leave no room for the scores, A S and P at once (that order
+        // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
+        // and P Cc.
+        fence();
+        add_bt_times_c<kHalf>(state, bt, ct);
+        commit();
+        issue(it + kDepth - 1, next_slot);
+        wait<1>();  // the scores
+        uint32_t masked[4][4];
+        masked_fragments<kHalf, kReverse>(masked, score);
+        fence();
+        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        if constexpr (kHalf) {  // back to S's scale before P Cc adds in
+          commit();
+          wait<0>();
+          copy.scale_back(out);
+          fence();
+        }
+        add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
+        commit();
+      } else {
+        fence();
+        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        commit();
+        add_bt_times_c<kHalf>(state, bt, ct);
+        commit();
+        issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
+        wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
+        copy.scale_back(out);
+        add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+      }
+      wait<0>();
+      if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
-    const int64_t t0 = chunk_begin(it);
-    store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols,
-                      stage.vectors);
-    __syncthreads();     // every warp's wgmma has read the state copy
-    copy.publish(state);  // S after this chunk, for the next
+      const int64_t t0 = chunk_begin(it);
+      store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+      if constexpr (!kCopyBesideScores) {
+        __syncthreads();      // every warp's wgmma has read the state copy
+        copy.publish(state);  // S after this chunk, for the next
+      }
+    }
   }
   float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
 #pragma unroll
@@ -755,7 +754,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
   const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
   const bool state_only = work.state_only;  // the segment's own dO^T Q alone
-  const Stager stage(threadIdx.x, p.rows_are_vectors);
+  const Stager stage(threadIdx.x);
   const int64_t last = work.seg_begin + (chunks > 0 ? chunks - 1 : 0) * C;  // the first chunk taken
   const Rows q_rows{ops.q, ops.q_l}, k_rows{ops.k, ops.k_l}, v_rows{ops.v, ops.v_l}, dout_rows{ops.dout, ops.dout_l};
   Source q_src = stage.source(q_rows, last, E), k_src = stage.source(k_rows, last, E),
@@ -809,7 +808,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     copy.scale_back(acc);
     add_masked_times<kHalf, true>(acc, score, dt);
     wait<0>();
-    store_rows<kHalf>(acc, factor, staging, ops_v.out + t0 * ops_v.out_l, ops_v.out_l, n, M, stage.vectors);
+    store_rows<kHalf>(acc, factor, staging, ops_v.out + t0 * ops_v.out_l, ops_v.out_l, n, M);
 
     // dk = V D + mask(V dO^T) Q, with D += dO^T Q behind it
     fence();
@@ -825,7 +824,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     add_masked_times<kHalf, true>(acc, score, qt);
     wait<0>();
     if constexpr (kHalf) copy.post_max(copy.rows(d));
-    store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E, stage.vectors);
+    store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
     __syncthreads();  // every warp's wgmma has read the state copy
     copy.publish(copy.rows(d));
   }
@@ -872,7 +871,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
   const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
   const bool state_only = work.state_only;
-  const Stager stage(int(threadIdx.x % kThreads), p.rows_are_vectors);
+  const Stager stage(int(threadIdx.x % kThreads));
   const int64_t last = work.seg_begin + (chunks > 0 ? chunks - 1 : 0) * C;  // the first chunk taken
   const Rows first_rows = group == 0 ? Rows{ops.q, ops.q_l} : Rows{ops.dout, ops.dout_l};
   const Rows second_rows = group == 0 ? Rows{ops.k, ops.k_l} : Rows{ops.v, ops.v_l};
@@ -953,7 +952,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (64 * h < width) {
-          store_rows<kHalf>(acc[h], factor, staging, out + t0 * out_l + 64 * h, out_l, n, width - 64 * h, stage.vectors);
+          store_rows<kHalf>(acc[h], factor, staging, out + t0 * out_l + 64 * h, out_l, n, width - 64 * h);
         }
       }
     };

@@ -38,12 +38,13 @@
 // KB): 224 KB, one block a multiprocessor.
 //
 // A block holds 64 of the state's rows (Da: a's and b's columns) and 64 of its columns (Dc). Wider
-// states run in column tiles (each block its own outputs) and, up to 128 rows, in two row tiles:
-// causal linear attention is a sum over the state's rows (O = sum over e of the products of q's
-// and k's column e), so each row tile's block is a problem of its own, with its own part of the
-// state, and the two add their outputs into the zeroed output (atomics: 0 + x + y rounds as
-// 0 + y + x, so the sum repeats bit for bit; they flush subnormal sums, below 1.2e-38, to zero).
-// Tiles of the full 128 rows would not fit: 384 KB.
+// states run in column tiles (each block its own outputs) and, up to 256 rows, in up to four row
+// tiles: causal linear attention is a sum over the state's rows (O = sum over e of the products of
+// q's and k's column e), so each row tile's block is a problem of its own, with its own part of
+// the state. Row tiles 0 and 1 add their outputs into the zeroed output, 2 and 3 into a zeroed
+// buffer that is added to it after the pass (atomics: 0 + x + y rounds as 0 + y + x, so each sum
+// repeats bit for bit, where three or four addends in the order the blocks finish would not; they
+// flush subnormal sums, below 1.2e-38, to zero). Tiles of the full 128 rows would not fit: 384 KB.
 //
 // Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments
 // and their scan, SegmentStart / SegmentEnd, launch_wgmma), so the two families plan and segment
@@ -175,13 +176,12 @@ struct Source {
 // This thread's 16-byte pieces of a staged tile: columns 4 (tid % 16) on, rows tid / 16 + 8 i
 // (i < 8); sixteen lanes copy one 256-byte row (eight to an atom's 128-byte row, whole lines to
 // the L2, as wgmma_product.cuh's Stager). Rows past the chunk and columns past the operand's width
-// (a multiple of 4: wgmma_takes) are zeros; rows that are not 16-byte vectors are copied element
-// by element into the same places.
+// (a multiple of 4: wgmma_takes) are zeros. Every row is 16-byte vectors (launch_wgmma checks;
+// the ops copy rows off 16-byte boundaries into aligned ones).
 struct Stager {
   int row0, col;
   uint32_t piece0;  // row0's piece in a tile; piece i (8 rows on: the same row % 8) at + 1024 i
-  bool vectors;
-  __device__ Stager(int tid, bool vectors_) : row0(tid / 16), col(4 * (tid % 16)), vectors(vectors_) {
+  __device__ explicit Stager(int tid) : row0(tid / 16), col(4 * (tid % 16)) {
     piece0 = uint32_t((col / 32) * 8192 + 128 * row0 + 16 * (((col % 32) / 4) ^ row0));
   }
   template <typename Rows>
@@ -193,24 +193,10 @@ struct Stager {
   // address of the operand (the zero copies' source). Then src steps a chunk on (back: kBack).
   template <bool kBack>
   __device__ __forceinline__ void operator()(uint32_t tile, Source& src, const float* any, int n) const {
-    if (vectors) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const bool valid = src.inside && row0 + 8 * i < n;
-        wgmma::copy_16(tile + piece0 + 1024 * i, valid ? src.next + i * src.piece_step : any, valid);
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float x[4] = {0.f, 0.f, 0.f, 0.f};
-        if (src.inside && row0 + 8 * i < n) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) x[e] = src.next[i * src.piece_step + e];
-        }
-        asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + piece0 + 1024 * i), "f"(x[0]), "f"(x[1]),
-                     "f"(x[2]), "f"(x[3])
-                     : "memory");
-      }
+    for (int i = 0; i < 8; ++i) {
+      const bool valid = src.inside && row0 + 8 * i < n;
+      wgmma::copy_16(tile + piece0 + 1024 * i, valid ? src.next + i * src.piece_step : any, valid);
     }
     src.next += kBack ? -8 * src.piece_step : 8 * src.piece_step;
   }
@@ -222,7 +208,7 @@ struct Stager {
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
 // state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
-// up to 128: the block's row tile from work.k0, its column tile from work.m0 (see the file's
+// up to 256: the block's row tile from work.k0, its column tile from work.m0 (see the file's
 // comment). kSplit: 3xTF32; without, the heads alone (TF32, where the user allowed it:
 // KernelParams::tf32; a runtime switch between the products made ptxas wait for the accumulators
 // between every two).
@@ -256,13 +242,17 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows (see above)
   const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
   const Operands<P, float, float> ops = work.operands(p);
+  // row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's place in it
+  float* const out_rows = work.k0 >= 2 * C
+                              ? p.upper_row_tiles_out + (ops.out - static_cast<float*>(pass_output<P>(p).ptr))
+                              : ops.out;
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
 
   if (threadIdx.x >= kThreads) {  // the producer
     const int tid = threadIdx.x - kThreads;
-    const Stager stage(tid, p.rows_are_vectors);
+    const Stager stage(tid);
     const int64_t first = chunk_begin(0);
     Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
     Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
@@ -424,7 +414,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C), row = 16 * warp + g;
-    float* to = ops.out + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
+    float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
     auto stores = [&](auto store) {  // (no branches: each a predicated store)
 #pragma unroll
@@ -436,16 +426,10 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
           }
         }
     };
-    if (row_tiles > 1) {  // two row tiles' sums into the zeroed output: 0 + x + y, either order alike
-      if (p.rows_are_vectors) {
-        stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
-      } else {
-        stores([](float* at, float x, float y) { atomicAdd(at, x), atomicAdd(at + 1, y); });
-      }
-    } else if (p.rows_are_vectors) {
-      stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
+    if (row_tiles > 1) {  // two row tiles' sums into a zeroed buffer: 0 + x + y, either order alike
+      stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
     } else {
-      stores([](float* at, float x, float y) { at[0] = x, at[1] = y; });
+      stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
     add_to_state(sums);
   }
