@@ -79,12 +79,27 @@ save_triton_cache() {
 }
 # Compile the peers' kernels beside the tests (same cases and methods as the bench stage), so that
 # the bench stage finds them cached.
+# WARM_ARGS="--dtypes bfloat16 --shapes ..." warms those cases in any call (beside the tests of an
+# ab call, say); it is waited for before any timing stage.
 warm_pid=""
-if has bench && [[ " ${BENCH_ARGS:-} " != *" --no-peers "* ]]; then
+warm_args=""
+if [[ -n "${WARM_ARGS:-}" ]]; then
+  warm_args=$WARM_ARGS
+elif has bench && [[ " ${BENCH_ARGS:-} " != *" --no-peers "* ]]; then
+  warm_args="${BENCH_ARGS:-} "
+fi
+if [[ -n "$warm_args" ]]; then
   # at most WARM_LIMIT seconds (what compiled by then stays in the cache)
-  timeout "${WARM_LIMIT:-300}" python benchmarks/benchmark.py --warm-peers ${BENCH_ARGS:-} >"$OUT/warm_peers.log" 2>&1 &
+  timeout "${WARM_LIMIT:-300}" python benchmarks/benchmark.py --warm-peers $warm_args >"$OUT/warm_peers.log" 2>&1 &
   warm_pid=$!
 fi
+finish_warm() {  # before timing: the warm-up's compiles and autotuning would share the machine
+  [[ -n "$warm_pid" ]] || return 0
+  wait "$warm_pid"
+  echo "warm-up: $(grep -c '^warmed' "$OUT/warm_peers.log") cases warmed"
+  save_triton_cache
+  warm_pid=""
+}
 
 if has diag; then  # the toolchain and a native backtrace of any crashing error path
   g++ --version | head -1; nvcc --version | tail -1; python -c "import sys; print('python', sys.version.split()[0])"
@@ -164,6 +179,7 @@ if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd d
 fi
 
 if has host; then  # the host's time to issue a call, by op and CUDA runtime call
+  finish_warm
   python benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_profile.log"
 fi
 
@@ -190,11 +206,12 @@ fi
 
 
 if has bench; then
-  [[ -n "$warm_pid" ]] && { wait "$warm_pid"; save_triton_cache; }
+  finish_warm
   python benchmarks/benchmark.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -30
   save_triton_cache
 fi
 if has ab; then  # the baseline first (PYTHONPATH puts its package ahead of this tree's editable install)
+  finish_warm
   wait "$base_pid" || { echo "ab: the baseline did not build"; tail -20 "$OUT/base_build.log"; exit 1; }
   for tree in base this; do
     echo "== $tree"
