@@ -259,6 +259,10 @@ def main():
             name = f"fca {short(variable)}={value}{suffix}"
             methods[name] = fast_causal_attn.causal_dot_product
             families[name] = {variable: value, **fixed}
+    if not args.no_peers and device == "cuda":
+        # float32 with torch's TF32 switch on (the default path; TF32 products where the user allows
+        # them), beside fla's float32, which runs in TF32
+        methods["fast_causal_attn tf32"] = fast_causal_attn.causal_dot_product
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
 
@@ -280,7 +284,7 @@ def main():
                 cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
                 cases.pop("fca tensorcore two-pass-kv", None)
             if dtype != torch.float32:
-                cases.pop("fca tensorcore tf32", None)
+                cases = {name: fn for name, fn in cases.items() if not name.endswith("tf32")}
             if ft is not None and dtype == torch.float32:
                 cases["fast-transformers"] = ft
             cases.update(fla)
