@@ -78,8 +78,9 @@ KernelParams with_state_io(const KernelParams& p) {
 //    (8,16,2048,128 fwd+bwd with every pass on tensor cores 3.64, with the recurrent backward
 //    3.17: its fused dk/dv pass, see run_grad_kv, 1.30 ms).
 //  - float32, Da in (128, 256], on Hopper (sm_90a builds): the wgmma kernel in up to four row
-//    tiles (wgmma_takes; not yet measured against the recurrent family, the branch
-//    fp32-wgmma-256). Elsewhere, and with FAST_CAUSAL_ATTN_WGMMA=0:
+//    tiles (wgmma_takes; twenty-fifth session, fwd+bwd, the families below / wgmma:
+//    4,16,2048,256 7.46 / 4.74, 2,4,8192,256 6.63 / 2.40). Elsewhere, and with
+//    FAST_CAUSAL_ATTN_WGMMA=0:
 //  - float32, Da in (128, 256] (DA = 256: 32 columns a block, 3xTF32's three products in one
 //    buffer): tensor cores while their blocks fit one wave, recurrent beyond (fourteenth
 //    session, fwd+bwd: 2,4,8192,256 (64 blocks) 6.64 / 7.71, every pass faster on tensor cores;

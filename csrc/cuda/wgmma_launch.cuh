@@ -32,8 +32,9 @@ bool device_runs_sm90a();
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
 //  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
-//    up to 256 in whole 16-byte vectors (above 64 in row and column tiles of 64; above 128 not
-//    yet measured against the recurrent kernels, which took it before; at 128 faster than
+//    up to 256 in whole 16-byte vectors (above 64 in row and column tiles of 64; above 128
+//    faster than the kernels that took it before, fwd+bwd 4,16,2048,256 4.74 against 7.46 ms,
+//    2,4,8192,256 2.40 against 6.63, twenty-fifth session; at 128 faster than
 //    the mma.sync and recurrent kernels at every shape measured, fwd / fwd+bwd ms, do_bench, H200,
 //    RESULTS.md, twenty-first session, call 2: 1,16,32768,128 1.519 / 5.191 against 1.895 / 7.392;
 //    8,16,2048,128 0.557 / 2.269 against 0.804 / 2.910; 2,4,8192,128 0.217 / 0.762 against 0.286 /
