@@ -84,10 +84,12 @@ def test_head_dim_128_takes_two_atoms(groups, dtype, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["1", "3"])
-@pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (1, 3, 200, 24, 128), (2, 1, 130, 40, 72)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (1, 3, 200, 24, 128), (2, 1, 130, 40, 72),
+                                   (1, 2, 150, 256, 136)], ids=shape_id)
 def test_16_bit_column_tiles(shape, segments, dtype, monkeypatch):
     """M above 64 in column tiles of 64, one warpgroup each (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1; two
-    warpgroups a block is the default, which test_16_bit_plain meets): the forward and the three
+    warpgroups a block is the default, which test_16_bit_plain and test_16_bit_head_dims_above_128
+    meet), four atoms of the state's rows on one warpgroup among them: the forward and the three
     gradients within the dtype's bound of float64."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", "1")
@@ -177,15 +179,20 @@ def wgmma_instances(names):
 @SM90
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_head_dims_above_128_take_the_wgmma_kernels(dtype, monkeypatch):
+@pytest.mark.parametrize("groups", ["2", "1"], ids=["split-rows", "one-warpgroup"])
+def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     """E or M above 128: every pass runs alone on wgmma_product_kernel (Pass 0-3; the fused dk/dv
-    kernels stop at 128), with the state's rows in four atoms where they pass 128 (one warpgroup a
-    block, columns in tiles of 64), and no mma.sync kernel; the results within the dtype's bound."""
+    kernels stop at 128), with the state's rows in four atoms where they pass 128 (by default
+    split between two warpgroups, FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 on one; columns in tiles of
+    64), and no mma.sync kernel; the results within the dtype's bound."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", groups)
+    g = int(groups)
     cases = {
-        (256, 256): {("0", 4, 1), ("1", 4, 1), ("2", 4, 1), ("3", 4, 1)},
-        # forward: Da = E = 64, Dc = M = 256 (two warpgroups); dq and dk: Da = M = 256; dv: Da = 64
-        (64, 256): {("0", 1, 2), ("1", 4, 1), ("2", 4, 1), ("3", 1, 1)},
-        (200, 96): {("0", 4, 1), ("1", 2, 2), ("2", 2, 1), ("3", 4, 1)},
+        (256, 256): {("0", 4, g), ("1", 4, g), ("2", 4, g), ("3", 4, g)},
+        # forward: Da = E = 64, Dc = M = 256 (two warpgroups on 128 columns); dq and dk: Da = M =
+        # 256; dv: Da = 64
+        (64, 256): {("0", 1, g), ("1", 4, g), ("2", 4, g), ("3", 1, 1)},
+        (200, 96): {("0", 4, g), ("1", 2, g), ("2", 2, 1), ("3", 4, g)},
     }
     for (E, M), expected in cases.items():
         names = training_step_kernels(2, 3, dtype, 300, E, M)
@@ -195,6 +202,7 @@ def test_head_dims_above_128_take_the_wgmma_kernels(dtype, monkeypatch):
         check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
     # at E, M up to 128 FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 takes the same two reverse passes
     monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    monkeypatch.delenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS")
     names = training_step_kernels(2, 3, dtype, 300, 128, 40)
     assert wgmma_instances(names) == {("0", 2, 1), ("1", 1, 2), ("2", 1, 1), ("3", 2, 1)}, names
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names

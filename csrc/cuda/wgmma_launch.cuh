@@ -164,18 +164,22 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   p.state_head = 0;
   const int64_t pairs = p.num_seqs * p.H;
   // 16-bit, one pass alone: Da in one, two or four atoms; the forward and dq with Dc above 64 and
-  // Da up to 128 on two warpgroups sharing A and B (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: column tiles
-  // of 64 on one warpgroup each, for measuring), dk and dv (two reverse passes) in column tiles of
-  // 64 on one: their two passes run only where E or M is above 128 (run_grad_kv), so one
-  // instance each width, not two. float32: one warpgroup, column tiles of 64, and above 64 rows
-  // of the state up to four row tiles, one block each, summing their outputs (RowTileSums).
+  // Da up to 128 on two warpgroups sharing A and B, dk and dv (two reverse passes) up to 128 in
+  // column tiles of 64 on one: their two passes run there only with FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0
+  // (run_grad_kv), so one instance each width, not two. At four atoms, every pass, the state's
+  // rows split between two warpgroups on column tiles of 64. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (for
+  // measuring): one warpgroup a block, column tiles of 64. float32: one warpgroup, column tiles of
+  // 64, and above 64 rows of the state up to four row tiles, one block each, summing their
+  // outputs (RowTileSums).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
-  const int groups = !kFloat && (P == Pass::Forward || P == Pass::GradQ) && atoms <= 2 && Dc > 64 &&
-                             !(forced_groups && std::strcmp(forced_groups, "1") == 0)
+  const bool one_group = forced_groups && std::strcmp(forced_groups, "1") == 0;
+  const int groups = !kFloat && P != Pass::GradKV && !one_group &&
+                             (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + C * groups - 1) / (C * groups);
+  const int64_t tile_columns = C * (atoms == 4 ? 1 : groups);
+  const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
@@ -187,7 +191,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
     } else if constexpr (P == Pass::GradKV) {
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
-      if (atoms == 4) return wgmma_product_kernel<P, scalar_t, 4, 1>;
+      if (atoms == 4) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
       if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
         if (groups == 2) return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 1, 2>;
       }

@@ -11,8 +11,8 @@
 // every role: element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
 // rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
 // Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
-// The state S (64 x 64 float32; above 64, row blocks, and column halves on two warpgroups) lives
-// in the warpgroups' accumulators; its copy for A S is kept
+// The state S (64 x 64 float32; above 64, row blocks, and column halves or, at four row blocks,
+// row halves on two warpgroups) lives in the warpgroups' accumulators; its copy for A S is kept
 // as the mma.sync kernel keeps it: two bfloat16 parts (S = hi + lo), or one float16 part scaled
 // by a power of two where S passes float16's range.
 //
@@ -53,7 +53,8 @@ constexpr int kTile = C * 64 * 2;  // bytes of a 64 x 64 bfloat16 tile (1024-byt
 constexpr int kStages = 3;         // chunks staged (two on their way; a fourth measured no faster)
 // The forward-direction kernel's stage slots for A and B of kAtoms atoms: three, but two at four
 // atoms (Da up to 256), whose slot (A, B: 8 tiles, Cc: 1) and two-part state copy (8 tiles) leave
-// room for two (217 KB of the 227 KB a block may have).
+// room for two (217 KB of the 227 KB a block may have; 224 KB with the state's rows on two
+// warpgroups, their partial outputs' exchange in place of the staging rows).
 __host__ __device__ constexpr int stages_for_atoms(int atoms) { return atoms > 2 ? 2 : kStages; }
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
@@ -67,7 +68,15 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
 }
 // wgmma_product_kernel's of `atoms` atoms on `groups` warpgroups (the kernel's layout; the launch
 // asks the same).
+// At four atoms on two warpgroups (the state's rows split between them; see wgmma_product_kernel)
+// a slot holds one Cc, each group copies its two atoms, and the second's partial outputs reach the
+// first through kExchangeBytes (64 x 64 float32), where the first's staging rows lie too.
+constexpr int kExchangeBytes = 64 * 64 * 4;
 __host__ __device__ constexpr size_t product_smem_bytes(int atoms, int groups) {
+  if (atoms == 4 && groups == 2) {
+    return size_t(stages_for_atoms(atoms) * (2 * atoms + 1) + 2 * 2 * groups) * kTile + kExchangeBytes +
+           groups * 4 * sizeof(float);
+  }
   return smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups, stages_for_atoms(atoms));
 }
 
@@ -164,6 +173,15 @@ __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync
 template <int kPending>
 __device__ __forceinline__ void wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Named barriers of `threads` threads (0 is __syncthreads'): sync waits for them all, arrive
+// counts this thread and goes on; the shared-memory writes before either are seen by the threads
+// that sync after.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 // This thread's shared-memory writes (generic proxy) made visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -566,11 +584,17 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // after it in reverse); state-only blocks (launch_segmented's first launch) sum their segment's
 // B^T Cc alone. kAtoms: A and B are 64 kAtoms columns wide (Da up to 64, 128 or 256), staged as
 // kAtoms atoms, and the state's Da rows are kAtoms row blocks (state[a], each the accumulator of
-// one m64 wgmma). kGroups: warpgroups a block, each its own 64 columns of Cc, the state and the
-// outputs (the column tile is 64 kGroups wide), all of them on the block's one staging of A and
-// B: with two, A and B are read once for Dc up to 128 (the first warpgroup stages A, the second
-// B, each its own Cc), where column tiles of 64 read them once a tile. At four atoms one
-// warpgroup (two would need a second state copy: 64 KB more than a block has), two stage slots.
+// one m64 wgmma). kGroups: warpgroups a block, all of them on the block's one staging of A and
+// B (the first warpgroup stages A, the second B):
+//  - up to two atoms, each warpgroup its own 64 columns of Cc, the state and the outputs (the
+//    column tile is 64 kGroups wide): A and B are read once for Dc up to 128, where column tiles
+//    of 64 read them once a tile;
+//  - at four atoms (kSplitRows), the state's rows split between them, two atoms each (rows 128
+//    group on), on one Cc of 64 columns: each warpgroup the scores and A S over its half of Da
+//    and its own partial output A_g S_g + mask(A_g B_g^T) Cc (the mask is linear, so the partial
+//    outputs sum to the output), the second's added to the first's through shared memory, warp
+//    by warp. One warpgroup holding all four atoms (kGroups = 1) kept 128 state registers a thread
+//    and spilled, and ran alone on its multiprocessor (one block: 217 KB).
 template <Pass P, typename scalar_t, int kAtoms, int kGroups>
 __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -580,36 +604,50 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv (dk with dv: wgmma_grad_kv_kernel)");
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
-  static_assert(kGroups == 1 || (kGroups == 2 && kAtoms <= 2), "one warpgroup, or two up to two atoms");
+  static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
+  constexpr bool kSplitRows = kAtoms == 4 && kGroups == 2;
+  constexpr int kStateAtoms = kSplitRows ? 2 : kAtoms;  // a warpgroup's row blocks of the state
+  constexpr int kCcTiles = kSplitRows ? 1 : kGroups;    // Cc's 64-column tiles a stage slot
   constexpr int kDepth = stages_for_atoms(kAtoms);
-  constexpr int kSlot = 2 * kAtoms + kGroups;  // tiles a stage slot: A, B (kAtoms each), each group's Cc
-  // in tiles: the state copies (two parts of kAtoms tiles, a group), then each group's staging rows
-  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 2 * kAtoms * kGroups;
+  constexpr int kSlot = 2 * kAtoms + kCcTiles;  // tiles a stage slot: A, B (kAtoms each), Cc
+  // in tiles: the state copies (two parts of kStateAtoms tiles, a group), then each group's
+  // staging rows (kSplitRows: the partial outputs' exchange, the first group's staging inside it)
+  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 2 * kStateAtoms * kGroups;
+  constexpr int kStagingEnd = kStagingAt * kTile + (kSplitRows ? kExchangeBytes : kGroups * kStagingBytes);
+  static_assert(kStagingEnd + kGroups * 4 * sizeof(float) == product_smem_bytes(kAtoms, kGroups), "the launch's size");
   static_assert(product_smem_bytes(kAtoms, kGroups) <= 227 * 1024, "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
   const int group = kGroups == 1 ? 0 : int(threadIdx.x / kThreads);
-  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + kStagingAt * kTile + group * kStagingBytes);
-  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingAt * kTile + kGroups * kStagingBytes);
-  StateCopy<kHalf, kAtoms> copy{base + (kCopyAt + 2 * kAtoms * group) * kTile, warp_max + 4 * group};
+  // kSplitRows: warp w's part of the exchange is 4 KB at 4096 w, its 16 staging rows (kOutStride
+  // elements apart, from row 16 w on) inside it
+  unsigned char* const staging_at = wgmma_smem + kStagingAt * kTile;
+  uint16_t* staging = reinterpret_cast<uint16_t*>(
+      staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp() : group * kStagingBytes));
+  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
+  StateCopy<kHalf, kStateAtoms> copy{base + (kCopyAt + 2 * kStateAtoms * group) * kTile, warp_max + 4 * group};
 
-  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kGroups, Dc);
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kCcTiles, Dc);
   const Operands<P, scalar_t, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
-  const int64_t m0 = work.m0 + C * group;   // this group's first column of Cc, the state and the outputs
+  // this group's first column of Cc, the state and the outputs, and first row of the state
+  const int64_t m0 = work.m0 + (kSplitRows ? 0 : C * group), row0 = kSplitRows ? 64 * kStateAtoms * group : 0;
+  const uint32_t my_atoms = uint32_t(row0 / 64) * kTile;  // this group's A and B atoms in their tiles
   const int cols = int(Dc - m0 < C ? Dc - m0 : C);
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int64_t first_step = chunks > 0 ? chunk_begin(0) : work.seg_begin;
   const Stager stage(int(threadIdx.x % kThreads));
   // kGroups == 1: A from first, B from second; kGroups == 2: group 0 A, group 1 B, from first.
   const bool stages_b_first = kGroups == 2 && group == 1;
+  const bool stages_c = !kSplitRows || group == 0;
   Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), first_step, Da);
   Source second = stage.source(ops.b_rows(), first_step, kGroups == 1 ? Da : 0);
   Source c_src = stage.source(ops.c_rows(), first_step, Dc, m0);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
+  const int my_c = 2 * kAtoms + (kSplitRows ? 0 : group);  // this group's Cc in a slot
   // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
   // it = 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse).
   auto issue = [&](int64_t it, int slot) {
@@ -623,15 +661,17 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       if constexpr (kGroups == 1) {
         stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), second, ops.b_rows().ptr, n);
       }
-      stage.operator()<kReverse>(tile_of(slot, 2 * kAtoms + group), c_src, ops.c_rows().ptr, n);
+      if (stages_c) stage.operator()<kReverse>(tile_of(slot, my_c), c_src, ops.c_rows().ptr, n);
     }
     StageRing<kDepth>::commit_copies();
   };
-  // The state: row e = 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in state[a][4 j ..];
-  // from the segment's start.
-  float state[kAtoms][32];
+  // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
+  // state[a][4 j ..]; from the segment's start.
+  float state[kStateAtoms][32];
 #pragma unroll
-  for (int a = 0; a < kAtoms; ++a) load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, 64 * a, m0);
+  for (int a = 0; a < kStateAtoms; ++a) {
+    load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
+  }
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
@@ -641,18 +681,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       ring.arrive();
       fence();
-      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms), tile_of(ring.slot, 2 * kAtoms + group));  // S += B^T Cc
+      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
       commit();
       issue(it + kDepth - 1, ring.refill());
       wait<0>();
     }
   } else {
-    // Where the copy of the state before a chunk is made: up to two atoms beside the chunk's
-    // scores (the tensor cores work while the copy's conversion runs; the scores read only the
-    // staged A and B), at four at the end of the chunk before, where nothing runs beside it.
+    // Where the copy of the state before a chunk is made: up to two atoms a warpgroup beside the
+    // chunk's scores (the tensor cores work while the copy's conversion runs; the scores read only
+    // the staged A and B), at four at the end of the chunk before, where nothing runs beside it.
     // Measured on the H200 (RESULTS.md, twenty-fourth session): beside the scores, two atoms'
     // forward and dq 3-6% faster; four atoms no faster, with twice the spills.
-    constexpr bool kCopyBesideScores = kAtoms < 4;
+    constexpr bool kCopyBesideScores = kStateAtoms < 4;
     if constexpr (kCopyBesideScores) {
       if constexpr (kHalf) copy.post_max(state);  // the first copy's scale, read after the barrier of arrive
     } else {
@@ -661,18 +701,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       ring.arrive();  // chunk it staged (and a copy made at the end of the chunk before, seen)
       const int next_slot = ring.refill();
-      const uint32_t at = tile_of(ring.slot, 0), bt = tile_of(ring.slot, kAtoms),
-                     ct = tile_of(ring.slot, 2 * kAtoms + group);
+      const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
+                     ct = tile_of(ring.slot, my_c);
       float score[32], out[32];  // set by their first products (accumulate = false)
       fence();
-      scores_of<kHalf, kAtoms>(score, at, bt);  // A B^T
+      scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
       commit();
       if constexpr (kCopyBesideScores) {
         copy.publish(state);
         fence_shared_writes();
         __syncthreads();  // the copy seen by every warp's wgmma
       }
-      if constexpr (kAtoms == 4) {
+      if constexpr (kStateAtoms == 4) {
         // The state's 128 registers leave no room for the scores, A S and P at once (that order
         // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
         // and P Cc.
@@ -684,7 +724,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
         uint32_t masked[4][4];
         masked_fragments<kHalf, kReverse>(masked, score);
         fence();
-        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
         if constexpr (kHalf) {  // back to S's scale before P Cc adds in
           commit();
           wait<0>();
@@ -695,7 +735,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
         commit();
       } else {
         fence();
-        times_state_copy<kHalf, 1, kAtoms>(out, at, copy.at);  // A S
+        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
         commit();
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
@@ -708,7 +748,28 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
       const int64_t t0 = chunk_begin(it);
-      store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+      if constexpr (kSplitRows) {
+        // the second group's partial output to the first, warp w to warp w (named barrier 1 + w
+        // of their 64 threads), float4 j of lane l at 16 (32 j + l) bytes of the warp's part: each
+        // store and load a whole 512 bytes. The part is free again: the first group's warp read
+        // it and its staging rows (inside it) before this chunk's arrive.
+        float4* part = reinterpret_cast<float4*>(staging_at + (kExchangeBytes / 4) * group_warp()) + threadIdx.x % kWarp;
+        if (group == 1) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) part[kWarp * j] = make_float4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+          named_arrive(1 + group_warp(), 2 * kWarp);
+        } else {
+          named_sync(1 + group_warp(), 2 * kWarp);
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float4 x = part[kWarp * j];
+            out[4 * j] += x.x, out[4 * j + 1] += x.y, out[4 * j + 2] += x.z, out[4 * j + 3] += x.w;
+          }
+          store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+        }
+      } else {
+        store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+      }
       if constexpr (!kCopyBesideScores) {
         __syncthreads();      // every warp's wgmma has read the state copy
         copy.publish(state);  // S after this chunk, for the next
@@ -717,7 +778,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   }
   float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
 #pragma unroll
-  for (int a = 0; a < kAtoms; ++a) store_end(state[a], end, Da, Dc, 64 * a, m0);
+  for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end, Da, Dc, row0 + 64 * a, m0);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif

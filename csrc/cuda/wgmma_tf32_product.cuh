@@ -158,12 +158,8 @@ struct RegisterOperand {  // A from registers
 // Named barriers (0 is __syncthreads): the producer's announcements and the consumer's releases
 // (both warpgroups: the one arrives, the other waits), and each warpgroup's own.
 enum Barrier : int { kAbFull = 1, kAbFree, kTFull, kTFree, kConsumers, kProducers };
-__device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
+__device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) { wgmma::named_sync(id, threads); }
+__device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) { wgmma::named_arrive(id, threads); }
 
 // One operand's rows as this thread copies them (Stager): the next chunk's first row of this
 // thread's pieces, the step between them (8 rows), and whether its columns lie inside the operand.
