@@ -209,6 +209,23 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
 
 
 @CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dv_when_the_forward_ran_in_segments_and_dk_did_not(dtype):
+    """E = 256, M = 64, 4 x 16 pairs at the default segments: the forward (64 blocks) runs in time
+    segments and keeps their starts for dq, dk (four column tiles of E: 256 blocks) runs whole, and
+    dv, which reads dk's starts where dk keeps them, must not read the forward's (it did, and its
+    relative error was 1.0: H200, twenty-fifth session)."""
+    names = training_step_kernels(4, 16, dtype, 2048, 256, 64)
+    assert wgmma_instances(names) == {("0", 4, 2), ("1", 1, 2), ("2", 1, 1), ("3", 4, 2)}, names
+    assert any("scan_segments" in n for n in names), names  # the forward in segments
+    q, k, v = make_inputs(4, 16, 2048, 256, 64, dtype=dtype, device="cuda")
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
+
+
+@CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma.sync"])

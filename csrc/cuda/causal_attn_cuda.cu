@@ -157,6 +157,12 @@ void launch_backward_cuda(const BackwardParams& params) {
     // for both, as the dq pass reads the forward's
     KernelParams dk = p, dv = p;
     dk.keep_segments = true;
+    // the forward's starts are dq's alone: dv takes dk's or none (with the forward's, which hold
+    // q^T v where dv wants q^T dO, dv was wrong wherever the forward ran in segments and dk did
+    // not: bf16 4,16,2048,256,64 on the H200, twenty-fifth session)
+    dk.forward_segments = dv.forward_segments = 0;
+    dk.forward_segment_kv = dv.forward_segment_kv = nullptr;
+    dk.forward_segment_k_sum = dv.forward_segment_k_sum = nullptr;
     const ForwardSegments dk_starts = run_grad_k_pass(dk, stream);
     if (dk_starts.kv.defined()) {
       dv.forward_segment_kv = dk_starts.kv.data_ptr();
