@@ -593,8 +593,10 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 //    group on), on one Cc of 64 columns: each warpgroup the scores and A S over its half of Da
 //    and its own partial output A_g S_g + mask(A_g B_g^T) Cc (the mask is linear, so the partial
 //    outputs sum to the output), the second's added to the first's through shared memory, warp
-//    by warp. One warpgroup holding all four atoms (kGroups = 1) kept 128 state registers a thread
-//    and spilled, and ran alone on its multiprocessor (one block: 217 KB).
+//    by warp. One warpgroup holding all four atoms (kGroups = 1: FAST_CAUSAL_ATTN_WGMMA_GROUPS=1)
+//    keeps 128 state registers a thread and spills, and runs alone on its multiprocessor (one
+//    block: 217 KB): 27% slower at bf16 4,16,2048,256, every pass (H200, RESULTS.md, twenty-fifth
+//    session: fwd / fwd+bwd 0.259 / 1.059 ms against 0.190 / 0.777).
 template <Pass P, typename scalar_t, int kAtoms, int kGroups>
 __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
