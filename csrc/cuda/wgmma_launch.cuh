@@ -158,7 +158,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   KernelParams p = params;
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
   // every row in whole 16-byte vectors: E and M are (wgmma_takes), and the ops copy rows that start
-  // off 16-byte boundaries (with_aligned_rows in ops.cpp); the kernels copy nothing else
+  // off 16-byte boundaries (with_contiguous_rows in ops.cpp); the kernels copy nothing else
   p.rows_are_vectors = rows_are_vectors(p, sizeof(scalar_t));
   TORCH_CHECK(p.rows_are_vectors, "fast_causal_attn: internal: the wgmma kernels take rows of whole 16-byte vectors");
   p.state_head = 0;
@@ -178,7 +178,8 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const int64_t tile_columns = C * (atoms == 4 ? 1 : groups);
+  const wgmma::ProductLayout layout{atoms, groups};
+  const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
@@ -202,7 +203,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
-                                          : wgmma::product_smem_bytes(atoms, groups);
+                                          : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)
   if constexpr (P == Pass::GradQ || P == Pass::GradV) {

@@ -66,19 +66,27 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
                                                 int stages = kStages) {
   return size_t(stages * slot_tiles + copy_tiles) * kTile + groups * (kStagingBytes + 4 * sizeof(float));
 }
-// wgmma_product_kernel's of `atoms` atoms on `groups` warpgroups (the kernel's layout; the launch
-// asks the same).
-// At four atoms on two warpgroups (the state's rows split between them; see wgmma_product_kernel)
-// a slot holds one Cc, each group copies its two atoms, and the second's partial outputs reach the
-// first through kExchangeBytes (64 x 64 float32), where the first's staging rows lie too.
+// wgmma_product_kernel's layout for `atoms` atoms on `groups` warpgroups, which the kernel and its
+// launch both read. At four atoms on two warpgroups (splits_rows: the state's rows split between
+// them; see wgmma_product_kernel) a slot holds one Cc, each group copies its two atoms, and the
+// second's partial outputs reach the first through kExchangeBytes (64 x 64 float32), where the
+// first's staging rows lie too; otherwise each group its own Cc, copy and staging rows.
 constexpr int kExchangeBytes = 64 * 64 * 4;
-__host__ __device__ constexpr size_t product_smem_bytes(int atoms, int groups) {
-  if (atoms == 4 && groups == 2) {
-    return size_t(stages_for_atoms(atoms) * (2 * atoms + 1) + 2 * 2 * groups) * kTile + kExchangeBytes +
+struct ProductLayout {
+  int atoms, groups;
+  __host__ __device__ constexpr bool splits_rows() const { return atoms == 4 && groups == 2; }
+  __host__ __device__ constexpr int state_atoms() const { return splits_rows() ? 2 : atoms; }  // a group's
+  __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
+  __host__ __device__ constexpr int slot_tiles() const { return 2 * atoms + cc_tiles(); }    // A, B, Cc
+  __host__ __device__ constexpr int copy_tiles() const { return 2 * state_atoms() * groups; }  // two parts
+  __host__ __device__ constexpr int staging_bytes() const {
+    return splits_rows() ? kExchangeBytes : groups * kStagingBytes;
+  }
+  __host__ __device__ constexpr size_t smem_bytes() const {
+    return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles()) * kTile + staging_bytes() +
            groups * 4 * sizeof(float);
   }
-  return smem_bytes(2 * atoms + groups, 2 * atoms * groups, groups, stages_for_atoms(atoms));
-}
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
@@ -608,17 +616,17 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
-  constexpr bool kSplitRows = kAtoms == 4 && kGroups == 2;
-  constexpr int kStateAtoms = kSplitRows ? 2 : kAtoms;  // a warpgroup's row blocks of the state
-  constexpr int kCcTiles = kSplitRows ? 1 : kGroups;    // Cc's 64-column tiles a stage slot
+  constexpr ProductLayout kLayout{kAtoms, kGroups};
+  constexpr bool kSplitRows = kLayout.splits_rows();
+  constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
+  constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
   constexpr int kDepth = stages_for_atoms(kAtoms);
-  constexpr int kSlot = 2 * kAtoms + kCcTiles;  // tiles a stage slot: A, B (kAtoms each), Cc
+  constexpr int kSlot = kLayout.slot_tiles();  // tiles a stage slot: A, B (kAtoms each), Cc
   // in tiles: the state copies (two parts of kStateAtoms tiles, a group), then each group's
   // staging rows (kSplitRows: the partial outputs' exchange, the first group's staging inside it)
-  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 2 * kStateAtoms * kGroups;
-  constexpr int kStagingEnd = kStagingAt * kTile + (kSplitRows ? kExchangeBytes : kGroups * kStagingBytes);
-  static_assert(kStagingEnd + kGroups * 4 * sizeof(float) == product_smem_bytes(kAtoms, kGroups), "the launch's size");
-  static_assert(product_smem_bytes(kAtoms, kGroups) <= 227 * 1024, "shared memory of one block");
+  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + kLayout.copy_tiles();
+  constexpr int kStagingEnd = kStagingAt * kTile + kLayout.staging_bytes();
+  static_assert(kLayout.smem_bytes() <= 227 * 1024, "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
