@@ -124,13 +124,34 @@ if has sanitize; then
   # sanitize NAME PYTEST_K [FILE]: memcheck and racecheck of the tests FILE's -k selects
   # (tests/test_correctness.py by default); SANITIZE_SUBSETS="forward_segments ..." runs only the
   # subsets named (default: all)
+  # SANITIZE_JOBS=N runs up to N of them at once (each its own process on the one GPU; default 1)
+  sanitize_one() {  # NAME PYTEST_K FILE TOOL: its log, and its exit status in a file beside it
+    compute-sanitizer --tool $4 --error-exitcode 9 python -m pytest "$3" -q -k "$2" \
+      -p no:cacheprovider >"$OUT/sanitize_$1_$4.log" 2>&1
+    echo $? >"$OUT/sanitize_$1_$4.rc"
+  }
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
-      compute-sanitizer --tool $tool --error-exitcode 9 python -m pytest "${3:-tests/test_correctness.py}" -q -k "$2" \
-        -p no:cacheprovider >"$OUT/sanitize_$1_$tool.log" 2>&1
-      rc=$?
-      echo "compute-sanitizer $tool, $1: rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$OUT/sanitize_$1_$tool.log") reports; $(tail -1 "$OUT/sanitize_$1_$tool.log")"
+      while (( $(sanitize_running) >= ${SANITIZE_JOBS:-1} )); do sleep 1; done
+      sanitize_one "$1" "$2" "${3:-tests/test_correctness.py}" $tool &
+      sanitize_pids+=($!)
+    done
+  }
+  sanitize_pids=()
+  rm -f "$OUT"/sanitize_*.rc
+  sanitize_running() {  # (the warm-up and a baseline's build are this shell's jobs too: not counted)
+    local n=0 pid
+    for pid in "${sanitize_pids[@]}"; do kill -0 "$pid" 2>/dev/null && n=$(( n + 1 )); done
+    echo $n
+  }
+  sanitize_report() {  # once every run has ended: each one's status, reports and pytest summary
+    for pid in "${sanitize_pids[@]}"; do wait "$pid"; done
+    for rc_file in "$OUT"/sanitize_*.rc; do
+      [[ -f "$rc_file" ]] || continue
+      log=${rc_file%.rc}.log
+      rc=$(cat "$rc_file")
+      echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(tail -1 "$log")"
       status=$(( status | rc ))
     done
   }
@@ -153,6 +174,7 @@ if has sanitize; then
   sanitize state_heads "test_tensor_core_state_heads_and_tails and B2H1L700E128M40 and normalized and (float32 or bfloat16)"
   # the dq pass starting from the forward's segment starts (read transposed)
   sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
+  sanitize_report
 fi
 
 if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd dtype", PROFILE_KERNEL (a regex)
