@@ -151,7 +151,7 @@ if has sanitize; then
       [[ -f "$rc_file" ]] || continue
       log=${rc_file%.rc}.log
       rc=$(cat "$rc_file")
-      echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(tail -1 "$log")"
+      echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(grep -E "passed|failed|error|no tests ran" "$log" | tail -1)"
       status=$(( status | rc ))
     done
   }
