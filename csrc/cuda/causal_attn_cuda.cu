@@ -155,18 +155,17 @@ void launch_backward_cuda(const BackwardParams& params) {
     // dk keeps its segments' starts where it ran on the float32 wgmma kernel in segments, and dv
     // reads them transposed (dk's state dO^T q is dv's q^T dO): one state-only launch and scan
     // for both, as the dq pass reads the forward's
-    KernelParams dk = p, dv = p;
+    // The forward's starts are dq's alone: dk starts from none, dv from dk's or none (with the
+    // forward's, which hold q^T v where dv wants q^T dO, dv was wrong wherever the forward ran in
+    // segments and dk did not: bf16 4,16,2048,256,64 on the H200, twenty-fifth session).
+    KernelParams dv = p;
+    dv.forward_segments = 0;
+    dv.forward_segment_kv = dv.forward_segment_k_sum = nullptr;
+    KernelParams dk = dv;
     dk.keep_segments = true;
-    // the forward's starts are dq's alone: dv takes dk's or none (with the forward's, which hold
-    // q^T v where dv wants q^T dO, dv was wrong wherever the forward ran in segments and dk did
-    // not: bf16 4,16,2048,256,64 on the H200, twenty-fifth session)
-    dk.forward_segments = dv.forward_segments = 0;
-    dk.forward_segment_kv = dv.forward_segment_kv = nullptr;
-    dk.forward_segment_k_sum = dv.forward_segment_k_sum = nullptr;
     const ForwardSegments dk_starts = run_grad_k_pass(dk, stream);
     if (dk_starts.kv.defined()) {
       dv.forward_segment_kv = dk_starts.kv.data_ptr();
-      dv.forward_segment_k_sum = nullptr;
       dv.forward_segments = dk_starts.count;
     }
     run_grad_v_pass(dv, stream);

@@ -159,8 +159,8 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
   // every row in whole 16-byte vectors: E and M are (wgmma_takes), and the ops copy rows that start
   // off 16-byte boundaries (with_contiguous_rows in ops.cpp); the kernels copy nothing else
-  p.rows_are_vectors = rows_are_vectors(p, sizeof(scalar_t));
-  TORCH_CHECK(p.rows_are_vectors, "fast_causal_attn: internal: the wgmma kernels take rows of whole 16-byte vectors");
+  TORCH_CHECK(rows_are_vectors(p, sizeof(scalar_t)),
+              "fast_causal_attn: internal: the wgmma kernels take rows of whole 16-byte vectors");
   p.state_head = 0;
   const int64_t pairs = p.num_seqs * p.H;
   // 16-bit, one pass alone: Da in one, two or four atoms; the forward and dq with Dc above 64 and
