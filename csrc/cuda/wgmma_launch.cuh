@@ -148,6 +148,22 @@ struct RowTileSums {
   }
 };
 
+// Whether pass P's segments run in one launch (KernelParams::lookback): the 16-bit forward
+// (wgmma_product_kernel) and dk with dv in one pass (wgmma_grad_kv_kernel, _wide), each on an
+// instance of its own (kOneLaunch); dq (where it sums its own segments: without the forward's)
+// and the two reverse passes above 128 keep the three launches.
+// FAST_CAUSAL_ATTN_ONE_LAUNCH=0: the state-only launch, the scan and the pass (for measuring;
+// the tests run both).
+template <Pass P, typename scalar_t>
+bool one_launch_segments() {
+  if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradKV)) {
+    return false;
+  } else {
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_LAUNCH");
+    return switch_ == nullptr || std::strcmp(switch_, "0") != 0;
+  }
+}
+
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
@@ -199,6 +215,23 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
   }();
+  // the same kernel's one-launch instance (one_launch_segments), nullptr where it has none
+  const auto one_launch_kernel = [atoms, groups, wide]() -> decltype(kernel) {
+    if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
+      (void)atoms, (void)groups, (void)wide;
+      return nullptr;
+    } else if constexpr (P == Pass::GradKV) {
+      return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, true>;
+    } else {
+      if (atoms == 4) {
+        return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2, true> : wgmma_product_kernel<P, scalar_t, 4, 1, true>;
+      }
+      if (groups == 2) {
+        return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, true> : wgmma_product_kernel<P, scalar_t, 1, 2, true>;
+      }
+      return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, true> : wgmma_product_kernel<P, scalar_t, 1, 1, true>;
+    }
+  }();
   const int threads = kFloat ? 2 * wgmma_tf32::kThreads : wgmma::kThreads * (wide ? 2 : groups);
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
@@ -220,9 +253,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
-  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
+  // dk with dv in one launch read no scanned starts and keep none: no regions for them
+  const SegmentWorkspace workspace =
+      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch_segments<P, scalar_t>()));
   const RowTileSums<P> sums(p, row_tiles, Dc, stream);
-  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
+  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
+                      one_launch_segments<P, scalar_t>() ? one_launch_kernel : nullptr);
   sums.finish(p);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
