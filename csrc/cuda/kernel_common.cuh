@@ -463,19 +463,20 @@ __device__ __forceinline__ void publish(unsigned* flag) {
   __syncthreads();
   if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
 }
-// Until flags[0, n) are raised (acquire), for the whole block. A wait far longer than any
+// Until flags[0, n) are raised (acquire), for the whole block: thread i polls flags i, i +
+// blockDim.x, ..., so that the polls' round trips to the L2 overlap (one thread polling them in
+// turn waited n round trips, about a microsecond each, where the flags had long been raised); the
+// barrier after passes each thread's acquire on to the block. A wait far longer than any
 // segment's sums take (2^24 polls, tens of seconds) traps, as a hang's diagnosis, where the
 // protocol says none can be.
 __device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
-  if (threadIdx.x == 0) {
-    for (int64_t i = 0; i < n; ++i) {
-      unsigned raised = 0;
-      for (uint64_t spins = 0;; ++spins) {
-        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(raised) : "l"(flags + i) : "memory");
-        if (raised != 0) break;
-        if (spins > (uint64_t(1) << 24)) __trap();
-        __nanosleep(64);
-      }
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    unsigned raised = 0;
+    for (uint64_t spins = 0;; ++spins) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(raised) : "l"(flags + i) : "memory");
+      if (raised != 0) break;
+      if (spins > (uint64_t(1) << 24)) __trap();
+      __nanosleep(64);
     }
   }
   __syncthreads();

@@ -465,20 +465,39 @@ __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p
 // before it in pass order, [Da, Dc] each, the first at `sums`, the next `step` slots on (1; -1
 // in reverse), added in that order (as scan_segments adds them, so the start is the scan's to the
 // bit). Accumulator layout as load_start's. The sums are other blocks' writes: read through the
-// L2 (ld.global.cg), past this multiprocessor's L1.
+// L2 (ld.global.cg), past this multiprocessor's L1; kPairs: two segments' loads in flight at once
+// (a round trip each, one after the other, costs about half a microsecond a segment), where the
+// registers allow (not beside a state of four atoms: ptxas spilled 520 bytes there).
+template <bool kPairs = true>
 __device__ __forceinline__ void add_segments_before(float (&d)[32], const float* sums, int64_t count, int64_t step,
                                                     int64_t Da, int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-#pragma unroll
-  for (int i = 0; i < 32; ++i) d[i] = 0.f;
-  for (int64_t s = 0; s < count; ++s, sums += step * Da * Dc) {
+  auto load = [&](float (&to)[32], const float* from) {
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
-        if (row < Da && column < Dc) d[4 * j + e] += __ldcg(sums + row * Dc + column);
+        to[4 * j + e] = row < Da && column < Dc ? __ldcg(from + row * Dc + column) : 0.f;
       }
+  };
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  int64_t s = 0;
+  for (; kPairs && s + 1 < count; s += 2, sums += 2 * step * Da * Dc) {
+    float first[32], second[32];
+    load(first, sums);
+    load(second, sums + step * Da * Dc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += first[i];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += second[i];
+  }
+  for (; s < count; ++s, sums += step * Da * Dc) {
+    float next[32];
+    load(next, sums);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += next[i];
   }
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
@@ -762,7 +781,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     lookback::wait_for(flags, work.segment);
 #pragma unroll
     for (int a = 0; a < kStateAtoms; ++a) {
-      add_segments_before(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc, row0 + 64 * a, m0);
+      add_segments_before<(kStateAtoms < 4)>(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc,
+                                             row0 + 64 * a, m0);
       // the start, where the scan would have left it: the dq pass's (the forward's kept starts)
       store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
                 row0 + 64 * a, m0);
