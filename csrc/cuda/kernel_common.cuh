@@ -80,10 +80,11 @@ struct KernelParams : BackwardParams {
   void* seg_tail_state = nullptr;
   void* seg_tail_key_sum = nullptr;
   void* seg_tail_extra = nullptr;
-  // One launch for a segmented pass (the 16-bit wgmma forward, and dk with dv; launch_segmented): each
-  // block sums its segment into seg_sums (a later segment starts from it), publishes that, waits
-  // for the sums of the segments before it, adds them in time order (as the scan does) into its
-  // start, writes that to seg_state (the starts the dq pass reads) and runs its segment.
+  // One launch for a segmented pass (the 16-bit wgmma forward, and dk with dv, at E and M up to
+  // 64: one_launch_segments; launch_segmented): each block sums its segment into seg_sums (a later
+  // segment starts from it), publishes that, waits for the sums of the segments before it, adds
+  // them in time order (as the scan does) into its start, writes that to seg_state (the starts
+  // the dq pass reads) and runs its segment.
   // `lookback`: a counter that numbers the blocks in the order they start (a block waits only on
   // blocks numbered before it, which have started: no deadlock however few are resident), then
   // one flag a block; zeroed before the launch. nullptr: the state-only launch and the scan.

@@ -465,10 +465,8 @@ __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p
 // before it in pass order, [Da, Dc] each, the first at `sums`, the next `step` slots on (1; -1
 // in reverse), added in that order (as scan_segments adds them, so the start is the scan's to the
 // bit). Accumulator layout as load_start's. The sums are other blocks' writes: read through the
-// L2 (ld.global.cg), past this multiprocessor's L1; kPairs: two segments' loads in flight at once
-// (a round trip each, one after the other, costs about half a microsecond a segment), where the
-// registers allow (not beside a state of four atoms: ptxas spilled 520 bytes there).
-template <bool kPairs = true>
+// L2 (ld.global.cg), past this multiprocessor's L1; two segments' loads in flight at once (a
+// round trip each, one after the other, cost about half a microsecond a segment).
 __device__ __forceinline__ void add_segments_before(float (&d)[32], const float* sums, int64_t count, int64_t step,
                                                     int64_t Da, int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
@@ -484,7 +482,7 @@ __device__ __forceinline__ void add_segments_before(float (&d)[32], const float*
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.f;
   int64_t s = 0;
-  for (; kPairs && s + 1 < count; s += 2, sums += 2 * step * Da * Dc) {
+  for (; s + 1 < count; s += 2, sums += 2 * step * Da * Dc) {
     float first[32], second[32];
     load(first, sums);
     load(second, sums + step * Da * Dc);
@@ -705,7 +703,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   StateCopy<kHalf, kStateAtoms> copy{base + (kCopyAt + 2 * kStateAtoms * group) * kTile, warp_max + 4 * group};
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
-  static_assert(!kOneLaunch || P == Pass::Forward, "one launch: the forward's segments");
+  static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
+                "one launch: the forward's segments at Da and Dc up to 64 (one_launch_segments)");
   const int64_t block = kOneLaunch ? lookback::ticket(p.lookback, reinterpret_cast<unsigned*>(wgmma_smem)) : -1;
   const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kCcTiles, Dc, 1, 0, block);
   const Operands<P, scalar_t, float> ops = work.operands(p);
@@ -781,8 +780,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     lookback::wait_for(flags, work.segment);
 #pragma unroll
     for (int a = 0; a < kStateAtoms; ++a) {
-      add_segments_before<(kStateAtoms < 4)>(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc,
-                                             row0 + 64 * a, m0);
+      add_segments_before(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc, row0 + 64 * a, m0);
       // the start, where the scan would have left it: the dq pass's (the forward's kept starts)
       store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
                 row0 + 64 * a, m0);
@@ -1059,7 +1057,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
 // group adds dO^T Q for its own half. Four inputs of two atoms a chunk are 64 KB: two stage slots
 // (kDepth 2: the next chunk's copies run behind this chunk's products) and the copies take 208 KB.
 // Group 0 stages q and k, group 1 v and dO (state-only blocks: q, and dO).
-template <typename scalar_t, bool kOneLaunch = false>
+template <typename scalar_t>
 __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     wgmma_grad_kv_wide_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1081,9 +1079,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   constexpr uint32_t kHalfCopy = 4 * kTile;  // from one half's copy to the other's
   StateCopy<kHalf, 2, 8> copy{base + kCopyAt * kTile + group * kHalfCopy, warp_max};
 
-  const int64_t block =  // (one launch: as wgmma_grad_kv_kernel)
-      kOneLaunch ? lookback::ticket_in_reverse(p.lookback, reinterpret_cast<unsigned*>(wgmma_smem), p.segments) : -1;
-  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, 2 * C, Dc, 1, 0, block);
+  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, 2 * C, Dc);
   const Operands<Pass::GradKV, scalar_t, float> ops = work.operands(p);  // q, k, v, dO; out: dk
   const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
   const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
@@ -1108,40 +1104,11 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   // This group's half of D: row m = 64 a + 16 warp + g (+8), column e = 64 group + 8 j + 2 q4 (+1) in
   // d[a][4 j ..]; from the segment's start (the sums of the segments after it).
   float d[2][32];
+#pragma unroll
+  for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
+  if (!state_only) copy.publish_first(d);
   // D's columns 64 group on (two row blocks of M) += dO^T Q's
   auto update_state = [&](uint32_t dt, uint32_t qt) { add_bt_times_c<kHalf>(d, dt, qt + group * kTile); };
-  if constexpr (kOneLaunch) {  // (as wgmma_grad_kv_kernel: the segment's own sums, walked first to last)
-    const int64_t slot0 = work.pair * p.segments;
-    unsigned* const flags = p.lookback + 1 + (block - work.segment);
-    if (work.segment > 0) {
-#pragma unroll
-      for (int a = 0; a < 2; ++a)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) d[a][i] = 0.f;
-      Source first_on = stage.source(first_rows, work.seg_begin, group == 0 ? E : M);
-      auto issue_on = [&](int64_t it, int slot) {
-        if (it < chunks) {
-          const int n = work.chunk_len(work.seg_begin + it * C, C);
-          stage.operator()<false, 2>(tile_of(slot, group == 0 ? 0 : 6), first_on, first_rows.ptr, n);
-        }
-        StageRing<kDepth>::commit_copies();
-      };
-      sum_chunks<kDepth>(chunks, issue_on, [&](int slot) { update_state(tile_of(slot, 6), tile_of(slot, 0)); });
-#pragma unroll
-      for (int a = 0; a < 2; ++a) store_end(d[a], p.seg_sums + (slot0 + work.segment) * M * E, M, E, 64 * a, 64 * group);
-      lookback::publish(flags + work.segment);
-    }
-    lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment);
-#pragma unroll
-    for (int a = 0; a < 2; ++a) {
-      add_segments_before(d[a], p.seg_sums + (slot0 + p.segments - 1) * M * E, p.segments - 1 - work.segment, -1, M, E,
-                          64 * a, 64 * group);
-    }
-  } else {
-#pragma unroll
-    for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
-  }
-  if (!state_only) copy.publish_first(d);
 
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
