@@ -159,6 +159,8 @@ if has sanitize; then
   sanitize bf16_parts "test_bfloat16_holds_the_issue_accuracy and B1H2L2048E128M128"
   # the wgmma kernels (the default's on 9.0a builds): partial chunks, 16-bit rows at any alignment
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
+  # the one-launch segments at E, M up to 64 (KernelParams::lookback: the forward, dk with dv)
+  sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
   sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
   # the 16-bit wgmma kernels above 128: four atoms, two stage slots, dk and dv as reverse passes

@@ -8,6 +8,7 @@ these calls take the other kernels and the tests still check the results. The te
 kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
 build should have them (benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIST=9.0a). The rest
 of the suite meets them through conftest's default "cuda" entry."""
+import collections
 import os
 
 import pytest
@@ -73,8 +74,9 @@ def test_head_dim_128_takes_two_atoms(groups, dtype, monkeypatch):
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_dot_product(q, k, v)
         torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
-    taken = [n for n in names if "wgmma_product_kernel" in n and f", 2, {groups}>(" in n]
-    assert wgmma_passes(taken) == {"0", "1"}, names
+    taken = {pass_ for pass_, atoms, warpgroups in wgmma_instances(names)
+             if (atoms, warpgroups) == (2, int(groups))}
+    assert taken == {"0", "1"}, names
     assert any("wgmma_grad_kv_wide_kernel" in n for n in names), names
     assert not any("tensorcore_product_kernel" in n for n in names), names
     check_against_reference(q.detach(), k.detach(), v.detach(), scale=1.0, normalize=False, layout="bhld")
@@ -220,8 +222,9 @@ def test_dv_when_the_forward_ran_in_segments_and_dk_did_not(dtype):
     relative error was 1.0: H200, twenty-fifth session)."""
     names = training_step_kernels(4, 16, dtype, 2048, 256, 64)
     assert wgmma_instances(names) == {("0", 4, 2), ("1", 1, 2), ("2", 1, 1), ("3", 4, 2)}, names
-    assert any("scan_segments" in n for n in names), names  # the forward in segments
     q, k, v = make_inputs(4, 16, 2048, 256, 64, dtype=dtype, device="cuda")
+    kept = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    assert kept.shape[1] > 1, kept.shape  # the forward in segments
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
 
@@ -305,6 +308,78 @@ def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long():
         assert relative_error(results[0], exact) <= max(2 * relative_error(plain, exact), ERROR_FLOOR[torch.bfloat16])
 
 
+def kernel_launches(run):
+    """run()'s result, and how many times each CUDA kernel launched in it (the profiler's events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        result = run()
+        torch.cuda.synchronize()
+    cuda = torch.autograd.DeviceType.CUDA
+    return result, collections.Counter(e.name for e in profile.events() if e.device_type == cuda)
+
+
+def forward_launches(q, k, v):
+    """The forward op's kernels (name -> launches) and its results, with its segment starts kept."""
+    results, counts = kernel_launches(lambda: torch.ops.fast_causal_attn.forward(
+        q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True))
+    return counts, results
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["3", "64"])
+@pytest.mark.parametrize("shape", [(2, 4, 4096, 64, 64), (1, 2, 4100, 64, 48), (1, 2, 4100, 128, 128)], ids=shape_id)
+def test_one_launch_segments(shape, segments, dtype, monkeypatch):
+    """The 16-bit forward in time segments runs in one launch (KernelParams::lookback: each block
+    sums its segment, publishes the sum and starts from the sums before it), with no state-only
+    launch and no scan, where FAST_CAUSAL_ATTN_ONE_LAUNCH=0 runs the three launches; its kept
+    segment starts (the dq pass's) are the three launches' to float32 rounding; dk with dv (one
+    pass, in reverse) runs in one launch too, and a fwd+bwd scans nothing. By default only at E
+    and M up to 64 and 2 to 16 segments (one_launch_segments' crossover); =1 at any count, still
+    only at E and M up to 64 (E = M = 128 has no one-launch instance: three launches however
+    asked). The output and gradients are within the dtype's bound of float64 either way. 64
+    segments: more blocks (8 pairs x 64) than the device holds at once, so that blocks wait on
+    blocks that started before them only (the order they start in, not their index)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda")
+    has_one_launch = max(shape[3:]) <= 64
+    products = lambda counts: sum(c for n, c in counts.items() if "wgmma_product_kernel" in n)  # noqa: E731
+    scans = lambda counts: any("scan_segments" in n for n in counts)  # noqa: E731
+    default, _ = forward_launches(q, k, v)
+    by_default = has_one_launch and int(segments) <= 16
+    assert products(default) == (1 if by_default else 2) and scans(default) != by_default, default
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "1")
+    one, (out_one, *rest_one) = forward_launches(q, k, v)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
+    three, (out_three, *rest_three) = forward_launches(q, k, v)
+    assert products(one) == (1 if has_one_launch else 2) and scans(one) != has_one_launch, one
+    assert products(three) == 2 and scans(three), three
+    starts_one, starts_three = rest_one[3], rest_three[3]
+    assert starts_one.shape == starts_three.shape and starts_one.shape[1] > 1, starts_one.shape
+    scale = starts_three.abs().max().clamp_min(1e-30)
+    assert ((starts_one - starts_three).abs().max() / scale).item() < 1e-5
+    exact = reference(q, k, v, dtype=torch.float64)
+    plain = reference(q, k, v, dtype=dtype)
+    bound = max(2 * relative_error(plain, exact), ERROR_FLOOR[dtype])
+    assert relative_error(out_one, exact) <= bound and relative_error(out_three, exact) <= bound
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "1")
+    if has_one_launch:  # dk with dv in one pass (wgmma_grad_kv_kernel): one launch too
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+        def step():
+            out = fast_causal_attn.causal_dot_product(*leaves)
+            torch.autograd.grad(out, leaves, torch.randn_like(out))
+
+        _, names = kernel_launches(step)
+        grad_kv = sum(c for n, c in names.items() if "grad_kv" in n)
+        assert grad_kv == 1 and not scans(names), names
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
+
+
 def tf32_kernels(names):
     """The float32 wgmma kernels launched, as (pass, 3xTF32) pairs."""
     return {(n[n.index("Pass)") + 5], "true" in n[n.index("Pass)"):]) for n in names if "wgmma_tf32_product_kernel" in n}
@@ -341,15 +416,11 @@ def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
 
 def wgmma_tf32_launches(run):
     """How many times each pass's float32 wgmma kernel launched in run() (the profiler's events)."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        run()
-        torch.cuda.synchronize()
-    counts = {}
-    for e in profile.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and "wgmma_tf32_product_kernel" in e.name:
-            pass_ = e.name[e.name.index("Pass)") + 5]
-            counts[pass_] = counts.get(pass_, 0) + 1
-    return counts
+    counts = collections.Counter()
+    for name, launches in kernel_launches(run)[1].items():
+        if "wgmma_tf32_product_kernel" in name:
+            counts[name[name.index("Pass)") + 5]] += launches
+    return dict(counts)
 
 
 @CUDA

@@ -183,10 +183,11 @@ struct BlockWork {
   bool state_only, extra_row, denominator, track_key_sum;
 
   // With row tiles: grid.x = ((pair * row_tiles + row tile) * col_tiles + column tile) * segments
-  // + segment.
+  // + segment. `block`: the block's place in that order where it is not blockIdx.x (a ticket:
+  // KernelParams::lookback).
   __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc, int64_t row_tiles = 1,
-                       int rows = 0) {
-    int64_t index = blockIdx.x;
+                       int rows = 0, int64_t block = -1) {
+    int64_t index = block >= 0 ? block : int64_t(blockIdx.x);
     piece = piece_of_block(p, index);
     segment = segment_of_block<P>(p, index);
     col_tile = index % col_tiles;

@@ -80,6 +80,16 @@ struct KernelParams : BackwardParams {
   void* seg_tail_state = nullptr;
   void* seg_tail_key_sum = nullptr;
   void* seg_tail_extra = nullptr;
+  // One launch for a segmented pass (the 16-bit wgmma forward, and dk with dv, at E and M up to
+  // 64: one_launch_segments; launch_segmented): each block sums its segment into seg_sums (a later
+  // segment starts from it), publishes that, waits for the sums of the segments before it, adds
+  // them in time order (as the scan does) into its start, writes that to seg_state (the starts
+  // the dq pass reads) and runs its segment.
+  // `lookback`: a counter that numbers the blocks in the order they start (a block waits only on
+  // blocks numbered before it, which have started: no deadlock however few are resident), then
+  // one flag a block; zeroed before the launch. nullptr: the state-only launch and the scan.
+  unsigned* lookback = nullptr;
+  float* seg_sums = nullptr;  // [B * H, segments, Da, Dc]: each segment's own sums (one launch)
   // A plan (plan_forward_segments): the launchers decide as for a run and return the forward's
   // segment count (ForwardSegments::count) instead of allocating or launching anything.
   bool dry_run = false;
@@ -313,12 +323,15 @@ struct SegmentWorkspace {
   at::ScalarType dtype = at::kFloat;
 
   template <Pass P, typename acc_t>
-  static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc) {
+  // regions = false: the segments alone (a one-launch pass that keeps no starts: its sums are its
+  // own buffer's, KernelParams::seg_sums).
+  static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc,
+                               bool regions = true) {
     p.segment_len = segment_length(p.L, segments, step);
     p.segments = segment_count(p.L, p.segment_len);
     SegmentWorkspace w;
     w.dtype = c10::CppTypeToScalarType<acc_t>::value;
-    if (p.segments > 1) {
+    if (p.segments > 1 && regions) {
       const int64_t pairs = p.num_seqs * p.H, n = pairs * p.segments;
       const auto options = at::TensorOptions().dtype(w.dtype).device(at::kCUDA);
       // regions sharing one allocation start at 16 bytes (the scan's vector loads)
@@ -425,6 +438,52 @@ struct SegmentEnd {
   }
 };
 
+// The one-launch segmented pass's ordering and flags (KernelParams::lookback).
+namespace lookback {
+// This block's place in the launch's order: the order blocks start in (thread 0 takes a number,
+// the block shares it through `scratch`, a word of shared memory the caller has no use for yet:
+// a static variable would take 1 KB of a block's shared memory, the dynamic part's alignment).
+// Blocks wait only on blocks numbered before them, and a block numbered has started, so every
+// wait ends, however few blocks the device holds at once.
+__device__ __forceinline__ int64_t ticket(unsigned* counter, unsigned* scratch) {
+  if (threadIdx.x == 0) *scratch = atomicAdd(counter, 1u);
+  __syncthreads();
+  const unsigned number = *scratch;
+  __syncthreads();  // every thread has it: the word is the caller's again
+  return number;
+}
+// The same for a pass walked backward in time: within each (pair, column tile) the later
+// segments, which the earlier ones start from, numbered first (segments vary fastest).
+__device__ __forceinline__ int64_t ticket_in_reverse(unsigned* counter, unsigned* scratch, int64_t segments) {
+  const int64_t number = ticket(counter, scratch), segment = number % segments;
+  return number - segment + (segments - 1 - segment);
+}
+// The block's writes seen device-wide, then its flag raised (release).
+__device__ __forceinline__ void publish(unsigned* flag) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+}
+// Until flags[0, n) are raised (acquire), for the whole block: thread i polls flags i, i +
+// blockDim.x, ..., so that the polls' round trips to the L2 overlap (one thread polling them in
+// turn waited n round trips, about a microsecond each, where the flags had long been raised); the
+// barrier after passes each thread's acquire on to the block. A wait far longer than any
+// segment's sums take (2^24 polls, tens of seconds) traps, as a hang's diagnosis, where the
+// protocol says none can be.
+__device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    unsigned raised = 0;
+    for (uint64_t spins = 0;; ++spins) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(raised) : "l"(flags + i) : "memory");
+      if (raised != 0) break;
+      if (spins > (uint64_t(1) << 24)) __trap();
+      __nanosleep(64);
+    }
+  }
+  __syncthreads();
+}
+}  // namespace lookback
+
 // The forward of one timestep from a state (csrc/cuda/decode_step.cu).
 void run_decode_step(const KernelParams& p, cudaStream_t stream);
 
@@ -516,10 +575,31 @@ void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
 // Launches a segmented pass: with more than one segment, first the state-only launch that sums
 // each segment's state, the scans that turn those into each segment's start (unless the starts are
 // the forward's), then the pass itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
+// one_launch (the kernel's instance that has it, or nullptr: KernelParams::lookback): the pass
+// alone, its blocks summing their segments and looking back at the sums before them, where the
+// state-only launch, the scan and the pass were three launches.
 template <Pass P, typename Kernel>
 void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
-                      int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
+                      int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles,
+                      Kernel one_launch = nullptr) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
+  if (p.segments > 1 && !p.seg_from_forward && one_launch != nullptr) {
+    allow_dynamic_smem(one_launch, smem);
+    // (the kernels that have it sum the state alone: no key sums, no extra row, no heads and tails)
+    TORCH_CHECK(workspace.dtype == at::kFloat && workspace.key_sum.numel == 0 && workspace.extra.numel == 0 &&
+                    p.state_head == 0 && (P == Pass::Forward || P == Pass::GradKV),
+                "fast_causal_attn: internal: a one-launch segmented pass sums float32 states alone");
+    KernelParams one = p;
+    const int64_t sums = p.num_seqs * p.H * p.segments * Da * Dc;
+    // the segments' own sums, then the counter and one flag a block (zeroed)
+    const at::Tensor buffer = at::empty({sums + 1 + blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    one.seg_sums = buffer.data_ptr<float>();
+    one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums);
+    C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
+    one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(one, Da, Dc, col_tiles);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;  // (the buffer is the allocator's again after the kernel, in stream order)
+  }
   allow_dynamic_smem(kernel, smem);
   if (p.segments > 1 && !p.seg_from_forward) {
     KernelParams sums = p;

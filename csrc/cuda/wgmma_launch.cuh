@@ -148,6 +148,34 @@ struct RowTileSums {
   }
 };
 
+// Whether pass P's `segments` time segments (the count the launch will run) take one launch
+// (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
+// 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
+// wgmma_grad_kv_kernel<T, true>, instances of their own), E and M up to 64, 2 to 16 segments.
+// Measured (bf16, H200, RESULTS.md, twenty-seventh session; kernels' ms, one launch against three
+// with the scan): 4,16,8192,64 (5 segments forward, 2 dk and dv) forward 0.102 against 0.106, dk
+// and dv 0.152 against 0.160; 2,4,8192,64 (16) 0.033 against 0.026 and 0.037 against 0.035, but
+// the call there is bound by the host's time to issue it (GPU 0.085 ms of a 0.2-0.4 ms call), and
+// one launch issues four launches fewer: do_bench fwd+bwd 0.140-0.201 ms against 0.200-0.431 in
+// three runs. At 32 segments the forward took twice as long (1,8,16384,64: 0.088 against 0.045):
+// every block adds all its predecessors' sums, reads that grow with the square of the count. At
+// E = M = 128 (1,16,32768,128, 8 segments) one launch was 6% slower in the forward and 4% in dk
+// and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and
+// the tests), still only where an instance has it.
+template <Pass P, typename scalar_t>
+bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments) {
+  if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradKV)) {
+    (void)Da, (void)Dc, (void)segments;
+    return false;
+  } else {
+    if (segments < 2 || Da > 64 || Dc > 64) return false;
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_LAUNCH");
+    if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
+    if (switch_ != nullptr && std::strcmp(switch_, "1") == 0) return true;
+    return segments <= 16;
+  }
+}
+
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
@@ -199,6 +227,19 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1> : wgmma_product_kernel<P, scalar_t, 1, 1>;
     }
   }();
+  // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
+  const auto one_launch_kernel = [atoms, groups, wide]() -> decltype(kernel) {
+    if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
+      (void)atoms, (void)groups, (void)wide;
+      return nullptr;
+    } else if constexpr (P == Pass::GradKV) {
+      (void)atoms, (void)groups;
+      return wide ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
+    } else {
+      (void)wide;
+      return atoms == 1 && groups == 1 ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
+    }
+  }();
   const int threads = kFloat ? 2 * wgmma_tf32::kThreads : wgmma::kThreads * (wide ? 2 : groups);
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
@@ -220,9 +261,13 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
-  const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
+  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count);
+  // dk with dv in one launch read no scanned starts and keep none: no regions for them
+  const SegmentWorkspace workspace =
+      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
   const RowTileSums<P> sums(p, row_tiles, Dc, stream);
-  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles);
+  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
+                      one_launch ? one_launch_kernel : nullptr);
   sums.finish(p);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();

@@ -337,6 +337,23 @@ struct StageRing {
   __device__ __forceinline__ static void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 };
 
+// A segment's own sums alone, chunk by chunk (a one-launch pass's first walk): issue(it, slot)
+// stages chunk it, it = 0, 1, 2, ... in order; add(slot) issues the sums' products on the chunk in
+// `slot`, each chunk's waited for before its slot takes the next.
+template <int kDepth, typename Issue, typename Add>
+__device__ __forceinline__ void sum_chunks(int64_t chunks, Issue&& issue, Add&& add) {
+  for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
+  StageRing<kDepth> ring;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.arrive();
+    fence();
+    add(ring.slot);
+    commit();
+    issue(it + kDepth - 1, ring.refill());
+    wait<0>();
+  }
+}
+
 // The state's 16-bit copy, read by the products that multiply by the state, in the staged layout
 // (state row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes; kAtoms x 64 rows,
 // the state's in row blocks of 64, state[a] rows 64 a on). bfloat16: hi = bf16(S) at `at`,
@@ -443,6 +460,43 @@ __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p
       const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
       d[4 * j + e] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
     }
+}
+// A segment's start in one launch (KernelParams::lookback): the own sums of the `count` segments
+// before it in pass order, [Da, Dc] each, the first at `sums`, the next `step` slots on (1; -1
+// in reverse), added in that order (as scan_segments adds them, so the start is the scan's to the
+// bit). Accumulator layout as load_start's. The sums are other blocks' writes: read through the
+// L2 (ld.global.cg), past this multiprocessor's L1; two segments' loads in flight at once (a
+// round trip each, one after the other, cost about half a microsecond a segment).
+__device__ __forceinline__ void add_segments_before(float (&d)[32], const float* sums, int64_t count, int64_t step,
+                                                    int64_t Da, int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  auto load = [&](float (&to)[32], const float* from) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+        to[4 * j + e] = row < Da && column < Dc ? __ldcg(from + row * Dc + column) : 0.f;
+      }
+  };
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  int64_t s = 0;
+  for (; s + 1 < count; s += 2, sums += 2 * step * Da * Dc) {
+    float first[32], second[32];
+    load(first, sums);
+    load(second, sums + step * Da * Dc);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += first[i];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += second[i];
+  }
+  for (; s < count; ++s, sums += step * Da * Dc) {
+    float next[32];
+    load(next, sums);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] += next[i];
+  }
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
                                           int64_t col0 = 0) {
@@ -611,7 +665,10 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 //    keeps 128 state registers a thread and spills, and runs alone on its multiprocessor (one
 //    block: 217 KB): 27% slower at bf16 4,16,2048,256, every pass (H200, RESULTS.md, twenty-fifth
 //    session: fwd / fwd+bwd 0.259 / 1.059 ms against 0.190 / 0.777).
-template <Pass P, typename scalar_t, int kAtoms, int kGroups>
+// kOneLaunch: the forward's segments in one launch (KernelParams::lookback), an instance of its
+// own, so that the other launches keep the pass's code as it is without it (beside the new code
+// ptxas allocated the pass's loop differently: 2-5% more instructions).
+template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false>
 __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -645,7 +702,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
   StateCopy<kHalf, kStateAtoms> copy{base + (kCopyAt + 2 * kStateAtoms * group) * kTile, warp_max + 4 * group};
 
-  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kCcTiles, Dc);
+  // One launch for the segments (the forward's): the block's work by the order blocks start
+  static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
+                "one launch: the forward's segments at Da and Dc up to 64 (one_launch_segments)");
+  const int64_t block = kOneLaunch ? lookback::ticket(p.lookback, reinterpret_cast<unsigned*>(wgmma_smem)) : -1;
+  const chunked::BlockWork<P, scalar_t> work(p, col_tiles, C * kCcTiles, Dc, 1, 0, block);
   const Operands<P, scalar_t, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
@@ -684,9 +745,51 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
   float state[kStateAtoms][32];
+  if constexpr (kOneLaunch) {
+    // This (pair, column tile)'s segments: their sums' slots and their blocks' flags.
+    const int64_t slot0 = work.pair * p.segments;
+    unsigned* const flags = p.lookback + 1 + (block - work.segment);
+    if (work.segment + 1 < p.segments) {
+      // A later segment starts from this one's own sums, B^T Cc: its chunks (all whole: not the
+      // sequence's last segment) walked from the last back to the first, so that the pass
+      // below starts on the chunks read last, their k and v likely still in the L2.
 #pragma unroll
-  for (int a = 0; a < kStateAtoms; ++a) {
-    load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
+      for (int a = 0; a < kStateAtoms; ++a)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
+      const bool stages_b = kGroups == 1 || stages_b_first;
+      const int64_t last = work.seg_begin + (chunks - 1) * C;
+      Source b_back = stage.source(ops.b_rows(), last, Da);
+      Source c_back = stage.source(ops.c_rows(), last, Dc, m0);
+      auto issue_back = [&](int64_t it, int slot) {
+        if (it < chunks) {
+          if (stages_b) stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_back, ops.b_rows().ptr, C);
+          if (stages_c) stage.operator()<true>(tile_of(slot, my_c), c_back, ops.c_rows().ptr, C);
+        }
+        StageRing<kDepth>::commit_copies();
+      };
+      sum_chunks<kDepth>(chunks, issue_back, [&](int slot) {  // S += B^T Cc
+        add_bt_times_c<kHalf>(state, tile_of(slot, kAtoms) + my_atoms, tile_of(slot, my_c));
+      });
+#pragma unroll
+      for (int a = 0; a < kStateAtoms; ++a) {
+        store_end(state[a], p.seg_sums + (slot0 + work.segment) * Da * Dc, Da, Dc, row0 + 64 * a, m0);
+      }
+      lookback::publish(flags + work.segment);  // (its barrier: every warp's products have read the slots)
+    }
+    lookback::wait_for(flags, work.segment);
+#pragma unroll
+    for (int a = 0; a < kStateAtoms; ++a) {
+      add_segments_before(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc, row0 + 64 * a, m0);
+      // the start, where the scan would have left it: the dq pass's (the forward's kept starts)
+      store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
+                row0 + 64 * a, m0);
+    }
+  } else {
+#pragma unroll
+    for (int a = 0; a < kStateAtoms; ++a) {
+      load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
+    }
   }
 
   // Each output times the pass's constant factor (see the file's comment).
@@ -811,7 +914,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
 // behind them. q, k, v and dO are staged once a chunk where the two passes staged six tiles; the
 // state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
 // pass's, as run_grad_kv gives them).
-template <typename scalar_t>
+template <typename scalar_t, bool kOneLaunch = false>  // (kOneLaunch: as wgmma_product_kernel's)
 __global__ void __launch_bounds__(wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -826,7 +929,10 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   StateCopy<kHalf> copy{base + kStages * 4 * kTile,
                         reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes)};
 
-  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, C, Dc);
+  // one launch for the segments (KernelParams::lookback): the block's work by the order blocks start
+  const int64_t block =
+      kOneLaunch ? lookback::ticket_in_reverse(p.lookback, reinterpret_cast<unsigned*>(wgmma_smem), p.segments) : -1;
+  const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, C, Dc, 1, 0, block);
   const Operands<Pass::GradKV, scalar_t, float> ops = work.operands(p);  // q, k, v, dO; out: dk
   const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
   const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
@@ -852,7 +958,35 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
   // (the sums of the segments after it).
   float d[32];
-  load_start(d, p, work.pair, work.segment, M, E, state_only);
+  if constexpr (kOneLaunch) {
+    const int64_t slot0 = work.pair * p.segments;
+    unsigned* const flags = p.lookback + 1 + (block - work.segment);  // this pair's segments' flags
+    if (work.segment > 0) {
+      // The segment before it in time starts from this one's own sums, dO^T Q: its chunks walked
+      // first to last, so that the pass below (last to first) starts on the chunks read last.
+#pragma unroll
+      for (int i = 0; i < 32; ++i) d[i] = 0.f;
+      Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
+      auto issue_on = [&](int64_t it, int slot) {
+        if (it < chunks) {
+          const int n = work.chunk_len(work.seg_begin + it * C, C);
+          stage.operator()<false>(tile_of(slot, 0), q_on, ops.q, n);
+          stage.operator()<false>(tile_of(slot, 3), dout_on, ops.dout, n);
+        }
+        StageRing<>::commit_copies();
+      };
+      sum_chunks<kStages>(chunks, issue_on, [&](int slot) {  // D += dO^T Q
+        add_bt_times_c<kHalf>(d, tile_of(slot, 3), tile_of(slot, 0));
+      });
+      store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
+      lookback::publish(flags + work.segment);
+    }
+    // from the sums of the segments after it, the last first (the reverse scan's order)
+    lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment);
+    add_segments_before(d, p.seg_sums + (slot0 + p.segments - 1) * M * E, p.segments - 1 - work.segment, -1, M, E);
+  } else {
+    load_start(d, p, work.pair, work.segment, M, E, state_only);
+  }
   if (!state_only) copy.publish_first(copy.rows(d));
 
   const float factor = float(p.scale);
