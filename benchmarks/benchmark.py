@@ -148,18 +148,23 @@ def graph_ms(fn):
     return triton.testing.do_bench(graph.replay, warmup=100, rep=200, return_mode="median")
 
 
-def host_ms(fn, iters=20):
-    """The host's time to issue one fn() call (ms): iters calls back to back, the GPU not waited
-    for (few enough launches not to fill its queue). Beside the GPU's busy time it tells a call
-    bound by its host work (host >= busy) from one whose kernels leave the GPU idle between them."""
+def host_ms(fn, iters=20, batches=7):
+    """The host's time to issue one fn() call (ms): batches of iters calls back to back, the GPU
+    not waited for within a batch (few enough launches not to fill its queue) and waited for
+    between batches; the median of the batches' means. Beside the GPU's busy time it tells a call
+    bound by its host work (host >= busy) from one whose kernels leave the GPU idle between them.
+    (One batch alone moved up to 2x between runs on the H200's host: RESULTS.md, twenty-seventh
+    session.)"""
     fn()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e3
+    per_call = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        per_call.append((time.perf_counter() - start) / iters)
+        torch.cuda.synchronize()
+    return statistics.median(per_call) * 1e3
 
 
 @contextlib.contextmanager
