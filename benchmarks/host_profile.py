@@ -5,8 +5,8 @@ the public API, by op and by CUDA runtime call (launches, attribute sets, alloca
     python benchmarks/host_profile.py --shapes "2,4,8192,64,64" --dtype float32 --top 25
 
 Beside benchmark.py --kernel-time ("host per call" against "GPU busy per call") it tells which
-host work to cut when a call is bound by it. Each section times `iters` calls back to back (the
-GPU not waited for) without the profiler, beside two baselines (a builtin op's and a Python
+host work to cut when a call is bound by it. Each section times calls back to back (the GPU not
+waited for; benchmark.host_ms: the median of batches of `iters`) without the profiler, beside two baselines (a builtin op's and a Python
 Function's fwd+bwd: what autograd costs any call) and the ops' own host times (no autograd),
 then lists the profiled calls' CPU events.
 """

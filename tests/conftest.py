@@ -1,3 +1,4 @@
+import collections
 import contextlib
 import os
 import zlib
@@ -83,10 +84,10 @@ def seeded_rng(request):
 
 @contextlib.contextmanager
 def cuda_kernels_launched():
-    """The names of the CUDA kernels launched inside the block (from the profiler), in the set it
-    gives, filled when the block ends."""
-    names = set()
+    """The CUDA kernels launched inside the block (from the profiler): the Counter it gives, name ->
+    launches (iterating it gives the names), filled when the block ends."""
+    launches = collections.Counter()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        yield names
+        yield launches
         torch.cuda.synchronize()
-    names.update(e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    launches.update(e.name for e in profile.events() if e.device_type == torch.autograd.DeviceType.CUDA)

@@ -466,7 +466,7 @@ __device__ __forceinline__ void publish(unsigned* flag) {
 }
 // Until flags[0, n) are raised (acquire), for the whole block: thread i polls flags i, i +
 // blockDim.x, ..., so that the polls' round trips to the L2 overlap (one thread polling them in
-// turn waited n round trips, about a microsecond each, where the flags had long been raised); the
+// turn waited n round trips, one after the other, where the flags had long been raised); the
 // barrier after passes each thread's acquire on to the block. A wait far longer than any
 // segment's sums take (2^24 polls, tens of seconds) traps, as a hang's diagnosis, where the
 // protocol says none can be.

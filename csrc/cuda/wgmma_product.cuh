@@ -745,7 +745,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
   float state[kStateAtoms][32];
-  if constexpr (kOneLaunch) {
+  if constexpr (kOneLaunch) {  // (one warpgroup: it stages B and Cc itself)
     // This (pair, column tile)'s segments: their sums' slots and their blocks' flags.
     const int64_t slot0 = work.pair * p.segments;
     unsigned* const flags = p.lookback + 1 + (block - work.segment);
@@ -757,14 +757,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       for (int a = 0; a < kStateAtoms; ++a)
 #pragma unroll
         for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
-      const bool stages_b = kGroups == 1 || stages_b_first;
       const int64_t last = work.seg_begin + (chunks - 1) * C;
       Source b_back = stage.source(ops.b_rows(), last, Da);
       Source c_back = stage.source(ops.c_rows(), last, Dc, m0);
       auto issue_back = [&](int64_t it, int slot) {
         if (it < chunks) {
-          if (stages_b) stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_back, ops.b_rows().ptr, C);
-          if (stages_c) stage.operator()<true>(tile_of(slot, my_c), c_back, ops.c_rows().ptr, C);
+          stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_back, ops.b_rows().ptr, C);
+          stage.operator()<true>(tile_of(slot, my_c), c_back, ops.c_rows().ptr, C);
         }
         StageRing<kDepth>::commit_copies();
       };
