@@ -157,10 +157,10 @@ struct RowTileSums {
 // and dv 0.152 against 0.160; 2,4,8192,64 (16) 0.033 against 0.026 and 0.037 against 0.035, but
 // the call there is bound by the host's time to issue it (GPU 0.085 ms of a 0.2-0.4 ms call), and
 // one launch issues four launches fewer: do_bench fwd+bwd 0.120-0.212 ms in four runs against
-// 0.195-0.431 in five. At 32 segments the forward took twice as long (1,8,16384,64: 0.088 against 0.045):
-// every block adds all its predecessors' sums, reads that grow with the square of the count. At
-// E = M = 128 (1,16,32768,128, 8 segments) one launch was 6% slower in the forward and 3% in dk
-// and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and
+// 0.195-0.431 in five. At 32 segments the forward took twice as long (1,8,16384,64: 0.088
+// against 0.045): every block adds all its predecessors' sums, reads that grow with the square
+// of the count. At E = M = 128 (1,16,32768,128, 8 segments) one launch was 6% slower in the
+// forward and 3% in dk and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and
 // the tests), still only where an instance has it.
 template <Pass P, typename scalar_t>
 bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments) {
