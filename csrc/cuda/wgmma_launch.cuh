@@ -160,8 +160,8 @@ struct RowTileSums {
 // 0.195-0.431 in five. At 32 segments the forward took twice as long (1,8,16384,64: 0.088
 // against 0.045): every block adds all its predecessors' sums, reads that grow with the square
 // of the count. At E = M = 128 (1,16,32768,128, 8 segments) one launch was 6% slower in the
-// forward and 3% in dk and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and
-// the tests), still only where an instance has it.
+// forward and 3% in dk and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any
+// count (for measuring and the tests), still only where an instance has it.
 template <Pass P, typename scalar_t>
 bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments) {
   if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradKV)) {
