@@ -12,6 +12,8 @@
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
+#   STAGES="build launches" LAUNCHES="1 16 32768 128 128 bwd bfloat16" ...
+#                               # each launch's duration and DRAM bytes (ncu), the default path
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
 #                               # one sanitizer on some of the subsets
 #   STAGES="build ab" BASELINE=third_party/base BENCH_ARGS="--no-peers --kernel-time ..." ...
@@ -199,6 +201,18 @@ if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd d
     FAST_CAUSAL_ATTN_SEGMENTS=$segments FAST_CAUSAL_ATTN_KERNEL=$family ncu --clock-control none \
       -k regex:"$kernel|scan_segments" --section SpeedOfLight python benchmarks/profile_kernels.py $args 2>&1 |
       grep -E "Duration|Grid Size|$kernel|scan_segments" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//'
+  done
+fi
+
+if has launches; then  # each launch's duration and DRAM traffic on the default path, by ncu
+  # (one kernel's instances, the state-only launch and the pass say, are one name in the profiler's
+  # table): LAUNCHES="B H L E M fwd|bwd dtype;..."
+  IFS=';' read -ra launch_cases <<<"${LAUNCHES:-1 16 32768 128 128 bwd bfloat16;4 16 8192 64 64 bwd bfloat16}"
+  for case_ in "${launch_cases[@]}"; do
+    echo "== launches: $case_"
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
+      python benchmarks/profile_kernels.py $case_ 2>&1 | tee "$OUT/launches_$(echo "$case_" | tr ' ' '_').log" |
+      grep -E "^  [a-z_:]+.*\(|gpu__time|dram__bytes|dram__through|grid_size|warps_active" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//; s/^ +//'
   done
 fi
 

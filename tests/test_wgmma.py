@@ -378,6 +378,54 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
 
 
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("segments", ["8", "16"])
+def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
+    """A call captured into a CUDA graph replays without the host's cost of issuing it, so that
+    only the GPU's time decides (one_launch_segments): a forward and backward captured at 9 to 16
+    segments take the three launches (the state-only launch, the scan, the pass), where an eager
+    call takes one launch, and at 8 one launch either way. The replay's output and gradients are
+    the eager call's to bfloat16 rounding (the two ways' starts agree to float32 rounding)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(2, 4, 4096, 64, 64, dtype=torch.bfloat16, device="cuda")
+    grad_out = torch.randn_like(v)
+
+    def step(leaves):  # (out detached, and leaves of its own for the eager call: a kept graph
+        # would keep the leaves' AccumulateGrad nodes, and the stream they were made on, the
+        # default one, which a capture must not wait on: pytorch/pytorch#164302; the capture's
+        # first try failed so)
+        out = fast_causal_attn.causal_dot_product(*leaves)
+        return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
+
+    def launches(counts, part):
+        return sum(c for n, c in counts.items() if part in n)
+
+    def new_leaves():
+        return [x.detach().clone().requires_grad_() for x in (q, k, v)]
+
+    eager, eager_counts = kernel_launches(lambda: step(new_leaves()))
+    leaves = new_leaves()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capturing stream, as torch.cuda.graphs asks
+        step(leaves)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(leaves)
+    _, replay_counts = kernel_launches(graph.replay)
+    three = segments == "16"
+    assert launches(eager_counts, "scan_segments") == 0, eager_counts
+    assert launches(eager_counts, "grad_kv") == 1 and launches(eager_counts, "wgmma_product_kernel") == 2, eager_counts
+    assert launches(replay_counts, "scan_segments") == (2 if three else 0), replay_counts
+    assert launches(replay_counts, "grad_kv") == (2 if three else 1), replay_counts
+    assert launches(replay_counts, "wgmma_product_kernel") == (3 if three else 2), replay_counts
+    for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), captured, eager):
+        assert relative_error(x, y) <= ERROR_FLOOR[torch.bfloat16], name
+
+
 def tf32_kernels(names):
     """The float32 wgmma kernels launched, as (pass, 3xTF32) pairs."""
     return {(n[n.index("Pass)") + 5], "true" in n[n.index("Pass)"):]) for n in names if "wgmma_tf32_product_kernel" in n}

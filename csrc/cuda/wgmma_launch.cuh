@@ -151,28 +151,36 @@ struct RowTileSums {
 // Whether pass P's `segments` time segments (the count the launch will run) take one launch
 // (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
 // 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
-// wgmma_grad_kv_kernel<T, true>, instances of their own), E and M up to 64, 2 to 16 segments.
+// wgmma_grad_kv_kernel<T, true>, instances of their own), E and M up to 64, 2 to 16 segments, 2
+// to 8 where `stream` is being captured into a CUDA graph.
 // Measured (bf16, H200, RESULTS.md, twenty-seventh session; kernels' ms, one launch against three
 // with the scan): 4,16,8192,64 (5 segments forward, 2 dk and dv) forward 0.102 against 0.106, dk
-// and dv 0.152 against 0.160; 2,4,8192,64 (16) 0.033 against 0.026 and 0.037 against 0.035, but
-// the call there is bound by the host's time to issue it (GPU 0.085 ms of a 0.2-0.4 ms call), and
-// one launch issues four launches fewer: do_bench fwd+bwd 0.120-0.212 ms in four runs against
-// 0.195-0.431 in five. At 32 segments the forward took twice as long (1,8,16384,64: 0.088
-// against 0.045): every block adds all its predecessors' sums, reads that grow with the square
-// of the count. At E = M = 128 (1,16,32768,128, 8 segments) one launch was 6% slower in the
-// forward and 3% in dk and dv; at 256 even. FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any
-// count (for measuring and the tests), still only where an instance has it.
+// and dv 0.152 against 0.160; at 4 and 8 segments even (1,8,16384,64 forward 0.057 against
+// 0.058); 2,4,8192,64 (16) 0.033 against 0.026 and 0.037 against 0.035, but a call there is
+// bound by the host's time to issue it (GPU 0.085 ms of a 0.2-0.4 ms call), and one launch
+// issues four launches fewer: do_bench fwd+bwd 0.120-0.212 ms in four runs against 0.195-0.431
+// in five. A graph's replay has no host cost: there the GPU's time decides (2,4,8192,64 replay
+// 0.094 against 0.085 at 16 segments, 0.111 either way at 8). At 32 segments the forward took
+// twice as long (1,8,16384,64: 0.088 against 0.045): every block adds all its predecessors'
+// sums, reads that grow with the square of the count. At E = M = 128 (1,16,32768,128, 8
+// segments) one launch was 6% slower in the forward and 3% in dk and dv; at 256 even.
+// FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and the tests), still
+// only where an instance has it.
 template <Pass P, typename scalar_t>
-bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments) {
+bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, cudaStream_t stream) {
   if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradKV)) {
-    (void)Da, (void)Dc, (void)segments;
+    (void)Da, (void)Dc, (void)segments, (void)stream;
     return false;
   } else {
     if (segments < 2 || Da > 64 || Dc > 64) return false;
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_LAUNCH");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
     if (switch_ != nullptr && std::strcmp(switch_, "1") == 0) return true;
-    return segments <= 16;
+    if (segments <= 8) return true;
+    if (segments > 16) return false;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+    return capture == cudaStreamCaptureStatusNone;
   }
 }
 
@@ -261,7 +269,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
-  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count);
+  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
