@@ -811,6 +811,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     // Measured on the H200 (RESULTS.md, twenty-fourth session): beside the scores, two atoms'
     // forward and dq 3-6% faster; four atoms no faster, with twice the spills.
     constexpr bool kCopyBesideScores = kStateAtoms < 4;
+    // bfloat16 on one warpgroup of one atom (no scale of the copy to take back before P Cc): P
+    // Cc behind A S once the scores are in, the state's update behind P Cc, running while the
+    // outputs are stored. Measured on the H200 (bf16, kernel ms; RESULTS.md, twenty-eighth
+    // session): dq 0.0710 -> 0.0696 at 4,16,8192,64, 0.0138 -> 0.0130 at 2,4,8192,64, the
+    // forward even; on two warpgroups slower (8,16,2048,128 forward 0.0894 -> 0.0940,
+    // 4,16,2048,256 0.179 -> 0.193), so they keep the update before the wait for A S.
+    constexpr bool kStateBehindOutputs = !kHalf && kAtoms == 1 && kGroups == 1;
     if constexpr (kCopyBesideScores) {
       if constexpr (kHalf) copy.post_max(state);  // the first copy's scale, read after the barrier of arrive
     } else {
@@ -851,18 +858,30 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
         }
         add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
         commit();
-      } else {
+      } else if constexpr (!kStateBehindOutputs) {
         fence();
         times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
         commit();
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
         issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-        wait<1>();  // the scores and A S (P Cc accumulates into out next); the state's update may still run
+        wait<1>();  // the scores and A S (back to S's scale before P Cc); the state's update may still run
         copy.scale_back(out);
         add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+      } else {
+        // P Cc accumulates behind A S once the scores are in, and the state's update runs behind
+        // P Cc, while the outputs are stored (see kStateBehindOutputs)
+        fence();
+        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
+        commit();
+        wait<1>();  // the scores; A S may still run
+        add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
+        add_bt_times_c<kHalf>(state, bt, ct);
+        commit();
+        issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
+        wait<1>();  // A S and P Cc; the state's update may still run
       }
-      wait<0>();
+      if constexpr (!kStateBehindOutputs) wait<0>();
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
       const int64_t t0 = chunk_begin(it);
@@ -888,6 +907,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       } else {
         store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
       }
+      if constexpr (kStateBehindOutputs) wait<0>();  // the state's update, before its next copy
       if constexpr (!kCopyBesideScores) {
         __syncthreads();      // every warp's wgmma has read the state copy
         copy.publish(state);  // S after this chunk, for the next
@@ -1014,7 +1034,9 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     commit();
     times_state_copy<kHalf, 0>(acc, kt, copy.at);
     commit();
-    wait<0>();
+    // bfloat16: P dO accumulates behind K D^T once the scores are in; float16 takes the copy's
+    // scale back from K D^T first
+    wait<kHalf ? 0 : 1>();
     copy.scale_back(acc);
     add_masked_times<kHalf, true>(acc, score, dt);
     wait<0>();
@@ -1026,15 +1048,29 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     commit();
     times_state_copy<kHalf, 1>(acc, vt, copy.at);
     commit();
-    add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
-    commit();
-    issue(it + kStages - 1, next_slot);
-    wait<1>();  // the scores and V D; D's update may still run
-    copy.scale_back(acc);
-    add_masked_times<kHalf, true>(acc, score, qt);
-    wait<0>();
-    if constexpr (kHalf) copy.post_max(copy.rows(d));
+    // bfloat16: P Q behind V D once the scores are in, D's update behind P Q while dk is
+    // stored (float16 takes the copy's scale back from V D first). Measured on the H200 (bf16,
+    // RESULTS.md, twenty-eighth session): this kernel 0.1521 -> 0.1426 ms at 4,16,8192,64,
+    // 0.0636 -> 0.0591 at 8,16,2048,64, 0.0372 -> 0.0355 at 2,4,8192,64.
+    if constexpr (kHalf) {
+      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
+      commit();
+      issue(it + kStages - 1, next_slot);
+      wait<1>();  // the scores and V D; D's update may still run
+      copy.scale_back(acc);
+      add_masked_times<kHalf, true>(acc, score, qt);
+      wait<0>();
+      copy.post_max(copy.rows(d));
+    } else {
+      wait<1>();  // the scores
+      add_masked_times<kHalf, true>(acc, score, qt);
+      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
+      commit();
+      issue(it + kStages - 1, next_slot);
+      wait<1>();  // V D and P Q
+    }
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
+    if constexpr (!kHalf) wait<0>();  // D's update, before its copy
     __syncthreads();  // every warp's wgmma has read the state copy
     copy.publish(copy.rows(d));
   }
