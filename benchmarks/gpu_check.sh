@@ -165,6 +165,8 @@ if has sanitize; then
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
   sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
+  # two warpgroups on their own column halves sharing A and B (E = M = 128: two atoms each)
+  sanitize wgmma_two_groups "test_16_bit_plain and B1H2L300E128M128 and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
   # the 16-bit wgmma kernels above 128: four atoms, two stage slots, dk and dv as reverse passes
   sanitize wgmma_256 "(test_16_bit_head_dims_above_128 and (B1H1L100E136M200 or B2H1L130E256M40) and blhd and (1-wgmma or 3-wgmma)) or (test_16_bit_two_reverse_passes and B2H3L333E40M24 and 3-)" tests/test_wgmma.py
   # float32's wgmma forward and dq (3xTF32): segments, partial chunks, rows at any alignment
