@@ -858,28 +858,22 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
         }
         add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
         commit();
-      } else if constexpr (!kStateBehindOutputs) {
-        fence();
-        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
-        commit();
-        add_bt_times_c<kHalf>(state, bt, ct);
-        commit();
-        issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-        wait<1>();  // the scores and A S (back to S's scale before P Cc); the state's update may still run
-        copy.scale_back(out);
-        add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
       } else {
-        // P Cc accumulates behind A S once the scores are in, and the state's update runs behind
-        // P Cc, while the outputs are stored (see kStateBehindOutputs)
         fence();
         times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
         commit();
-        wait<1>();  // the scores; A S may still run
-        add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
+        if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
+          wait<1>();  // the scores; A S may still run
+          add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
+        }
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
         issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
-        wait<1>();  // A S and P Cc; the state's update may still run
+        wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
+        if constexpr (!kStateBehindOutputs) {
+          copy.scale_back(out);  // (back to S's scale before P Cc)
+          add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+        }
       }
       if constexpr (!kStateBehindOutputs) wait<0>();
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
@@ -1052,22 +1046,19 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     // stored (float16 takes the copy's scale back from V D first). Measured on the H200 (bf16,
     // RESULTS.md, twenty-eighth session): this kernel 0.1521 -> 0.1426 ms at 4,16,8192,64,
     // 0.0636 -> 0.0591 at 8,16,2048,64, 0.0372 -> 0.0355 at 2,4,8192,64.
+    if constexpr (!kHalf) {
+      wait<1>();  // the scores; V D may still run
+      add_masked_times<kHalf, true>(acc, score, qt);
+    }
+    add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
+    commit();
+    issue(it + kStages - 1, next_slot);
+    wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
     if constexpr (kHalf) {
-      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
-      commit();
-      issue(it + kStages - 1, next_slot);
-      wait<1>();  // the scores and V D; D's update may still run
       copy.scale_back(acc);
       add_masked_times<kHalf, true>(acc, score, qt);
       wait<0>();
       copy.post_max(copy.rows(d));
-    } else {
-      wait<1>();  // the scores
-      add_masked_times<kHalf, true>(acc, score, qt);
-      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
-      commit();
-      issue(it + kStages - 1, next_slot);
-      wait<1>();  // V D and P Q
     }
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
     if constexpr (!kHalf) wait<0>();  // D's update, before its copy
