@@ -315,6 +315,11 @@ def kernel_launches(run):
     return result, launches
 
 
+def launches_of(counts, part):
+    """How many launches of the kernels whose name holds `part` a kernel_launches count holds."""
+    return sum(c for n, c in counts.items() if part in n)
+
+
 def forward_launches(q, k, v):
     """The forward op's kernels (name -> launches) and its results, with its segment starts kept."""
     results, counts = kernel_launches(lambda: torch.ops.fast_causal_attn.forward(
@@ -343,7 +348,7 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda")
     has_one_launch = max(shape[3:]) <= 64
-    products = lambda counts: sum(c for n, c in counts.items() if "wgmma_product_kernel" in n)  # noqa: E731
+    products = lambda counts: launches_of(counts, "wgmma_product_kernel")  # noqa: E731
     scans = lambda counts: any("scan_segments" in n for n in counts)  # noqa: E731
     default, _ = forward_launches(q, k, v)
     by_default = has_one_launch and int(segments) <= 16
@@ -371,8 +376,7 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
             torch.autograd.grad(out, leaves, torch.randn_like(out))
 
         _, names = kernel_launches(step)
-        grad_kv = sum(c for n, c in names.items() if "grad_kv" in n)
-        assert grad_kv == 1 and not scans(names), names
+        assert launches_of(names, "grad_kv") == 1 and not scans(names), names
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
@@ -399,9 +403,6 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
         out = fast_causal_attn.causal_dot_product(*leaves)
         return (out.detach(), *torch.autograd.grad(out, leaves, grad_out))
 
-    def launches(counts, part):
-        return sum(c for n, c in counts.items() if part in n)
-
     def new_leaves():
         return [x.detach().clone().requires_grad_() for x in (q, k, v)]
 
@@ -417,11 +418,12 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
         captured = step(leaves)
     _, replay_counts = kernel_launches(graph.replay)
     three = segments == "16"
-    assert launches(eager_counts, "scan_segments") == 0, eager_counts
-    assert launches(eager_counts, "grad_kv") == 1 and launches(eager_counts, "wgmma_product_kernel") == 2, eager_counts
-    assert launches(replay_counts, "scan_segments") == (2 if three else 0), replay_counts
-    assert launches(replay_counts, "grad_kv") == (2 if three else 1), replay_counts
-    assert launches(replay_counts, "wgmma_product_kernel") == (3 if three else 2), replay_counts
+    assert launches_of(eager_counts, "scan_segments") == 0, eager_counts
+    assert launches_of(eager_counts, "grad_kv") == 1, eager_counts
+    assert launches_of(eager_counts, "wgmma_product_kernel") == 2, eager_counts
+    assert launches_of(replay_counts, "scan_segments") == (2 if three else 0), replay_counts
+    assert launches_of(replay_counts, "grad_kv") == (2 if three else 1), replay_counts
+    assert launches_of(replay_counts, "wgmma_product_kernel") == (3 if three else 2), replay_counts
     for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), captured, eager):
         assert relative_error(x, y) <= ERROR_FLOOR[torch.bfloat16], name
 
