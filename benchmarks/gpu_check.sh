@@ -13,7 +13,7 @@
 #                               # the default path at each value of a switch
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
 #   STAGES="build launches" LAUNCHES="1 16 32768 128 128 bwd bfloat16" ...
-#                               # each launch's duration and DRAM bytes (ncu), the default path
+#                               # each launch's duration, DRAM bytes and tensor-pipe use (ncu), the default path
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
 #                               # one sanitizer on some of the subsets
 #   STAGES="build ab" BASELINE=third_party/base BENCH_ARGS="--no-peers --kernel-time ..." ...
@@ -206,15 +206,19 @@ if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd d
   done
 fi
 
-if has launches; then  # each launch's duration and DRAM traffic on the default path, by ncu
-  # (one kernel's instances, the state-only launch and the pass say, are one name in the profiler's
-  # table): LAUNCHES="B H L E M fwd|bwd dtype;..."
+if has launches; then  # each launch's duration, DRAM traffic and tensor-pipe use on the default
+  # path, by ncu (one kernel's instances, the state-only launch and the pass say, are one name in
+  # the profiler's table): LAUNCHES="B H L E M fwd|bwd dtype;..." (the bf16 tensor path's ops as a
+  # percentage of a peak that counts sparsity's 2x, it seems: half the dense use counted from the
+  # products and durations, RESULTS.md, twenty-eighth session; sm__pipe_tensor_op_gmma_cycles_active
+  # read n/a on the H200)
   IFS=';' read -ra launch_cases <<<"${LAUNCHES:-1 16 32768 128 128 bwd bfloat16;4 16 8192 64 64 bwd bfloat16}"
   for case_ in "${launch_cases[@]}"; do
     echo "== launches: $case_"
-    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active \
+    ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active,sm__ops_path_tensor_src_bf16_dst_fp32.sum.pct_of_peak_sustained_elapsed \
       python benchmarks/profile_kernels.py $case_ 2>&1 | tee "$OUT/launches_$(echo "$case_" | tr ' ' '_').log" |
-      grep -E "^  [a-z_:]+.*\(|gpu__time|dram__bytes|dram__through|grid_size|warps_active" | sed -E 's/\(fast_causal_attn::cuda::KernelParams.*//; s/^ +//'
+      grep -E "^  [a-z_:]+.*\(|gpu__time|dram__bytes|dram__through|grid_size|warps_active|tensor_src" |
+      sed -E 's/\(fast_causal_attn::(cuda::)?KernelParams.*//; s/^ +//'
   done
 fi
 
