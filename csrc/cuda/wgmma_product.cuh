@@ -337,6 +337,22 @@ struct StageRing {
   __device__ __forceinline__ static void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 };
 
+// dk and dv's walks that sum a segment's own dO^T Q alone (state-only blocks, a one-launch pass's
+// first walk) stage two of the pass's four operands a chunk and use none of the rest of its shared
+// memory: their ring takes the stage slots and the state copy's tiles (`area` tiles) in slots of
+// `slot` tiles, up to kMaxSumDepth chunks deep, where the pass's ring keeps one or two chunks in
+// flight behind the one summed. Those walks do one or two products a chunk: they wait on the
+// copies (at 1,16,32768,128 bf16 the wide kernel's state-only launch moved 235 MB at 53% of the
+// DRAM peak on two stages; ncu, RESULTS.md, twenty-eighth session). Measured on the H200 (bf16,
+// kernel ms; RESULTS.md, twenty-ninth session): dk with dv 0.1430 -> 0.1319 at 4,16,8192,64 (one
+// launch), 0.0361 -> 0.0338 at 2,4,8192,64, the wide kernel 0.3526 -> 0.3340 at 1,16,32768,128.
+// The forward's state-only blocks keep the pass's ring: the same deeper ring there measured no
+// faster (1,16,32768,128 forward 0.2315 -> 0.2361 ms).
+constexpr int kMaxSumDepth = 6;
+__host__ __device__ constexpr int sum_depth(int area, int slot) {
+  return area / slot < kMaxSumDepth ? area / slot : kMaxSumDepth;
+}
+
 // A segment's own sums alone, chunk by chunk (a one-launch pass's first walk): issue(it, slot)
 // stages chunk it, it = 0, 1, 2, ... in order; add(slot) issues the sums' products on the chunk in
 // `slot`, each chunk's waited for before its slot takes the next.
@@ -961,8 +977,8 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       stage.operator()<true>(tile_of(slot, 0), q_src, ops.q, n);
-      if (!state_only) stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
-      if (!state_only) stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
+      stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
+      stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
     }
     StageRing<>::commit_copies();
@@ -971,6 +987,24 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
   // (the sums of the segments after it).
   float d[32];
+  // The walks that sum dO^T Q alone: their deeper ring (sum_depth) of q's and dO's tiles, over
+  // the stage slots and the state copy.
+  constexpr int kSumDepth = sum_depth(kStages * 4 + 2, 2);
+  auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 2 + which) * kTile; };
+  auto sum_walk = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
+    auto issue_sums = [&](int64_t it, int slot) {
+      if (it < chunks) {
+        const int n = work.chunk_len(chunk_start(it), C);
+        stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
+        stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
+      }
+      StageRing<>::commit_copies();
+    };
+    sum_chunks<kSumDepth>(chunks, issue_sums, [&](int slot) {  // D += dO^T Q
+      add_bt_times_c<kHalf>(d, sum_tile(slot, 1), sum_tile(slot, 0));
+    });
+  };
+
   if constexpr (kOneLaunch) {
     const int64_t slot0 = work.pair * p.segments;
     unsigned* const flags = p.lookback + 1 + (block - work.segment);  // this pair's segments' flags
@@ -980,17 +1014,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
       Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
-      auto issue_on = [&](int64_t it, int slot) {
-        if (it < chunks) {
-          const int n = work.chunk_len(work.seg_begin + it * C, C);
-          stage.operator()<false>(tile_of(slot, 0), q_on, ops.q, n);
-          stage.operator()<false>(tile_of(slot, 3), dout_on, ops.dout, n);
-        }
-        StageRing<>::commit_copies();
-      };
-      sum_chunks<kStages>(chunks, issue_on, [&](int slot) {  // D += dO^T Q
-        add_bt_times_c<kHalf>(d, tile_of(slot, 3), tile_of(slot, 0));
-      });
+      sum_walk(q_on, dout_on, [&](int64_t it) { return work.seg_begin + it * C; }, std::false_type{});
       store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
       lookback::publish(flags + work.segment);
     }
@@ -1000,7 +1024,12 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
   }
-  if (!state_only) copy.publish_first(copy.rows(d));
+  if (state_only) {  // the segment's own dO^T Q alone
+    sum_walk(q_src, dout_src, chunk_begin, std::true_type{});
+    store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+    return;
+  }
+  copy.publish_first(copy.rows(d));
 
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
@@ -1012,14 +1041,6 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
                    dt = tile_of(ring.slot, 3);
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
-    if (state_only) {
-      fence();
-      add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
-      commit();
-      issue(it + kStages - 1, next_slot);
-      wait<0>();
-      continue;
-    }
 
     float score[32], acc[32];
     // dv = K D^T + mask(K Q^T) dO
@@ -1123,7 +1144,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       stage.operator()<true, 2>(tile_of(slot, group == 0 ? 0 : 6), first, first_rows.ptr, n);
-      if (!state_only) stage.operator()<true, 2>(tile_of(slot, group == 0 ? 2 : 4), second, second_rows.ptr, n);
+      stage.operator()<true, 2>(tile_of(slot, group == 0 ? 2 : 4), second, second_rows.ptr, n);
     }
     StageRing<kDepth>::commit_copies();
   };
@@ -1132,9 +1153,23 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   float d[2][32];
 #pragma unroll
   for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
-  if (!state_only) copy.publish_first(d);
   // D's columns 64 group on (two row blocks of M) += dO^T Q's
   auto update_state = [&](uint32_t dt, uint32_t qt) { add_bt_times_c<kHalf>(d, dt, qt + group * kTile); };
+  float* end = SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state;
+  if (state_only) {  // the segment's own dO^T Q alone: a deeper ring (sum_depth) of q's and dO's atoms
+    constexpr int kSumDepth = sum_depth(kStagingAt, 4);
+    auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
+    auto issue_sums = [&](int64_t it, int slot) {
+      if (it < chunks) stage.operator()<true, 2>(sum_tile(slot, group == 0 ? 0 : 2), first, first_rows.ptr,
+                                                 work.chunk_len(chunk_begin(it), C));
+      StageRing<>::commit_copies();
+    };
+    sum_chunks<kSumDepth>(chunks, issue_sums, [&](int slot) { update_state(sum_tile(slot, 2), sum_tile(slot, 0)); });
+#pragma unroll
+    for (int a = 0; a < 2; ++a) store_end(d[a], end, M, E, 64 * a, 64 * group);
+    return;
+  }
+  copy.publish_first(d);
 
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
@@ -1146,14 +1181,6 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
                    dt = tile_of(ring.slot, 6);
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
-    if (state_only) {
-      fence();
-      update_state(dt, qt);
-      commit();
-      issue(it + kDepth - 1, next_slot);
-      wait<0>();
-      continue;
-    }
 
     // group 0: scores K Q^T, acc[h] = K D^T (dv's columns 64 h on), then += mask(scores) dO;
     // group 1: scores V dO^T, acc[h] = V D (dk's columns 64 h on), then += mask(scores) Q. Each
@@ -1203,7 +1230,6 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     __syncthreads();  // every warp's wgmma has read both copies
     copy.publish(d);
   }
-  float* end = SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state;
 #pragma unroll
   for (int a = 0; a < 2; ++a) store_end(d[a], end, M, E, 64 * a, 64 * group);
 #else
