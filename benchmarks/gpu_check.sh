@@ -23,6 +23,8 @@
 #                               # carried with third_party); it is built in place beside this tree
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
+#   STAGES="rate" ...           # wgmma's multiply-adds a cycle by N, A's source and shared-memory
+#                               # stores beside it (benchmarks/wgmma_rate.py; needs no build)
 #   STAGES="build anatomy" ...  # fla's fused_chunk forward beside our one segment and the wgmma
 #                               # prototype (benchmarks/fla_anatomy.py), then ncu of the three:
 #                               # durations, instructions, stalls by opcode (ANATOMY="B H L D")
@@ -248,6 +250,9 @@ if has wgmma; then  # the wgmma (sm_90a) forward prototype checked and timed; WG
   python benchmarks/wgmma_forward.py ${WGMMA_ARGS:-} 2>&1 | tee "$OUT/wgmma_forward.log"
 fi
 
+if has rate; then  # the wgmma ceiling the chunk kernels' m64n64k16 products meet
+  python benchmarks/wgmma_rate.py ${RATE_ARGS:-} 2>&1 | tee "$OUT/wgmma_rate.log"
+fi
 
 if has bench; then
   finish_warm
