@@ -146,8 +146,15 @@ __global__ void __launch_bounds__(128 * kGroups, 1) rate_kernel(long long* cycle
   sink[blockIdx.x * blockDim.x + tid] = total;
 }
 
+// One variant's parameters and each warpgroup's cycles for `rounds` rounds.
+struct Measured {
+  int n, groups, accumulators, stored_bytes;
+  bool register_a;
+  std::vector<int64_t> cycles;
+};
+
 template <int N, bool kRegisterA, int kGroups, int kAccs, int kStoreBytes>
-std::vector<int64_t> launch(int64_t blocks, int64_t rounds) {
+Measured launch(int64_t blocks, int64_t rounds) {
   auto kernel = rate_kernel<N, kRegisterA, kGroups, kAccs, kStoreBytes>;
   const int smem = ((kGroups * kATile + N * 128 + 1023) / 1024) * 1024 + (kStoreBytes > 0 ? kScratch : 0);
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -158,11 +165,13 @@ std::vector<int64_t> launch(int64_t blocks, int64_t rounds) {
       reinterpret_cast<long long*>(cycles.data_ptr<int64_t>()), sink.data_ptr<float>(), int(rounds));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   auto host = cycles.cpu();
-  return std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel());
+  return {N, kGroups, kAccs, kStoreBytes, kRegisterA,
+          std::vector<int64_t>(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel())};
 }
 
-// variant -> (cycles of each warpgroup)
-std::vector<int64_t> run(int64_t variant, int64_t blocks, int64_t rounds) {
+// The variants, by number: <N, A from registers, warpgroups, accumulators, bytes stored a round>
+constexpr int64_t kVariants = 12;
+Measured run(int64_t variant, int64_t blocks, int64_t rounds) {
   switch (variant) {
     case 0: return launch<64, false, 1, 2, 0>(blocks, rounds);
     case 1: return launch<64, false, 2, 2, 0>(blocks, rounds);
@@ -176,10 +185,20 @@ std::vector<int64_t> run(int64_t variant, int64_t blocks, int64_t rounds) {
     case 9: return launch<64, false, 2, 2, 32768>(blocks, rounds);
     case 10: return launch<64, true, 2, 2, 32768>(blocks, rounds);
     case 11: return launch<128, false, 2, 1, 32768>(blocks, rounds);
-    default: TORCH_CHECK(false, "wgmma_rate: no variant ", variant);
+    default: TORCH_CHECK(false, "wgmma_rate: no variant ", variant, " (", kVariants, " of them)");
   }
 }
 
 }  // namespace
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run, "each warpgroup's cycles for `rounds` rounds"); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Measured>(m, "Measured")
+      .def_readonly("n", &Measured::n)
+      .def_readonly("groups", &Measured::groups)
+      .def_readonly("accumulators", &Measured::accumulators)
+      .def_readonly("stored_bytes", &Measured::stored_bytes)
+      .def_readonly("register_a", &Measured::register_a)
+      .def_readonly("cycles", &Measured::cycles);
+  m.attr("variants") = kVariants;
+  m.def("run", &run, "a variant's parameters and each warpgroup's cycles for `rounds` rounds");
+}

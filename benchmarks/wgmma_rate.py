@@ -16,21 +16,6 @@ import torch
 
 from wgmma_probe import build_sm90a
 
-# variant: (N, A from registers, warpgroups, accumulators, bytes stored a round), as wgmma_rate.cu's run()
-VARIANTS = {
-    0: (64, False, 1, 2, 0),
-    1: (64, False, 2, 2, 0),
-    2: (64, True, 2, 2, 0),
-    3: (128, False, 1, 1, 0),
-    4: (128, False, 2, 1, 0),
-    5: (128, True, 2, 1, 0),
-    6: (256, False, 1, 1, 0),
-    7: (256, False, 2, 1, 0),
-    8: (64, False, 2, 2, 16384),
-    9: (64, False, 2, 2, 32768),
-    10: (64, True, 2, 2, 32768),
-    11: (128, False, 2, 1, 32768),
-}
 PEAK = 2048  # dense bf16 multiply-adds a cycle a multiprocessor
 
 
@@ -43,14 +28,17 @@ def main():
     print(f"{torch.cuda.get_device_name()}: {blocks} blocks, {args.rounds} rounds")
     print("variant                                   MAC/clk a warpgroup  MAC/clk a block  % of peak"
           "  smem B/clk read  stored")
-    for variant, (n, register_a, groups, accs, stored) in VARIANTS.items():
+    for variant in range(module.variants):  # (each variant's parameters: wgmma_rate.cu's run)
         module.run(variant, blocks, 16)  # warm-up (clocks up)
-        cycles = statistics.median(module.run(variant, blocks, args.rounds))
-        steps = args.rounds * accs * 4  # k16 steps a warpgroup
+        measured = module.run(variant, blocks, args.rounds)
+        n, groups, stored = measured.n, measured.groups, measured.stored_bytes
+        cycles = statistics.median(measured.cycles)
+        steps = args.rounds * measured.accumulators * 4  # k16 steps a warpgroup
         per_group = steps * 64 * n * 16 / cycles
         per_block = per_group * groups
-        read = groups * steps * ((0 if register_a else 64 * 16 * 2) + n * 16 * 2) / cycles
-        name = f"m64n{n}k16 A from {'registers' if register_a else 'smem     '}, {groups} wg x {accs} acc"
+        read = groups * steps * ((0 if measured.register_a else 64 * 16 * 2) + n * 16 * 2) / cycles
+        name = (f"m64n{n}k16 A from {'registers' if measured.register_a else 'smem     '}, {groups} wg x "
+                f"{measured.accumulators} acc")
         if stored:
             name += f", +{stored // 1024} KB stores"
         print(f"{name:42s} {per_group:10.0f}          {per_block:10.0f}     {100 * per_block / PEAK:6.1f}"

@@ -1024,9 +1024,13 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
   }
+  // D to where the segment ends (SegmentEnd; state-only blocks: their own sums), at both of its stores
+  auto store_segment_end = [&] {
+    store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+  };
   if (state_only) {  // the segment's own dO^T Q alone
     sum_walk(q_src, dout_src, chunk_begin, std::true_type{});
-    store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+    store_segment_end();
     return;
   }
   copy.publish_first(copy.rows(d));
@@ -1086,7 +1090,7 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     __syncthreads();  // every warp's wgmma has read the state copy
     copy.publish(copy.rows(d));
   }
-  store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+  store_segment_end();
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
