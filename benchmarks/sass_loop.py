@@ -1,12 +1,16 @@
 """The chunk loop of a tensor-core kernel instance in SASS, by source line, without a GPU.
 
     bash benchmarks/sass_offline.sh bfloat16 64 64 Forward   # writes /tmp/sass_<tag>.txt and runs this
+    bash benchmarks/sass_offline.sh wgmma bfloat16 2 2 Forward   # a wgmma_product_kernel instance
+    python benchmarks/sass_loop.py SASS.txt SOURCE.cuh [--kernel NAME]
 
-The loop is the backward branch whose range holds the most HMMA instructions; each instruction
-is counted under the outermost line of tensorcore_product.cuh it was inlined into (nvdisasm
--gi's chains), so that a line's count is what that statement costs a chunk. Static counts: the
-lines of branches a call does not take (normalize, bias, one-buffer staging) count too.
+The loop is the backward branch whose range holds the most HMMA (or HGMMA) instructions; each
+instruction is counted under the outermost line of the source file it was inlined into (nvdisasm
+-gi's chains), so that a line's count is what that statement costs a chunk, and by opcode.
+Static counts: the lines of branches a call does not take (normalize, bias, one-buffer staging,
+a uniform branch's other side) count too.
 """
+import argparse
 import collections
 import os
 import re
@@ -16,11 +20,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_summary import opcode  # noqa: E402  (one reading of a SASS line's opcode for both tools)
 
 
-def parse(path):
+def parse(path, kernel="tensorcore_product_kernel"):
     text = open(path).read()
-    m = re.search(r"\.text\.(_ZN16fast_causal_attn4cuda25tensorcore_product_kernel\S*):\n(.*?)(?=\n//-----|\Z)", text, re.S)
+    m = re.search(r"\.text\.(_ZN16fast_causal_attn4cuda\d+" + kernel + r"\S*):\n(.*?)(?=\n//-----|\Z)", text, re.S)
     if m is None:
-        sys.exit(f"no tensorcore_product_kernel in {path}")
+        sys.exit(f"no {kernel} in {path}")
     instructions, labels, pending, where = [], {}, [], ("?", 0)
     for line in m.group(2).split("\n"):
         label = re.match(r"\s*(\.L_x_\d+):", line)
@@ -48,17 +52,23 @@ def chunk_loop(instructions, labels):
         target = re.search(r"(\.L_x_\d+)", text_) if op.startswith("BRA") else None
         if target and labels.get(target.group(1), address) < address:
             start = labels[target.group(1)]
-            hmma = sum(1 for x in instructions if start <= x[0] <= address and x[1].startswith("HMMA"))
+            hmma = sum(1 for x in instructions if start <= x[0] <= address and x[1] in ("HMMA", "HGMMA"))
             if best is None or (hmma, address - start) > (best[2], best[1] - best[0]):
                 best = (start, address, hmma)
     return [x for x in instructions if best[0] <= x[0] <= best[1]], best[2]
 
 
 def main():
-    path, source = sys.argv[1], sys.argv[2]
-    instructions, labels = parse(path)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sass")
+    parser.add_argument("source")
+    parser.add_argument("--kernel", default="tensorcore_product_kernel")
+    args = parser.parse_args()
+    path, source = args.sass, args.source
+    instructions, labels = parse(path, args.kernel)
     loop, hmma = chunk_loop(instructions, labels)
-    print(f"kernel {len(instructions)} instructions; chunk loop {len(loop)} (HMMA {hmma})")
+    print(f"kernel {len(instructions)} instructions; chunk loop {len(loop)} (HMMA or HGMMA {hmma})")
+    print("  by opcode:", dict(collections.Counter(x[1] for x in loop).most_common(16)))
     lines = open(source).read().split("\n")
     by_line = collections.defaultdict(collections.Counter)
     for x in loop:

@@ -2,13 +2,19 @@
 # SASS of one tensor-core kernel instance for sm_90, without a GPU: where its chunk loop's
 # instructions go, by source line (benchmarks/sass_loop.py).
 #
-#   bash benchmarks/sass_offline.sh bfloat16 64 64 Forward    # dtype DA NB pass
+#   bash benchmarks/sass_offline.sh bfloat16 64 64 Forward    # dtype DA NB pass (mma.sync)
+#   bash benchmarks/sass_offline.sh wgmma bfloat16 2 2 Forward
+#                       # wgmma_product_kernel<pass, dtype, atoms, groups> for sm_90a: its chunk
+#                       # loop's instructions by opcode and line (the passes are bound by each
+#                       # warp's instructions a chunk: RESULTS.md, thirtieth session, call 5)
 #
 # Needs nvcc and torch's headers (the build's); nvdisasm comes from PyPI's nvidia-cuda-nvdisasm
 # wheel (no CUDA toolkit here has it), unpacked once into /tmp/nvdisasm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dtype=${1:-bfloat16} DA=${2:-64} NB=${3:-64} pass=${4:-Forward}
+family=tensorcore
+if [[ ${1:-} == wgmma ]]; then family=wgmma; shift; fi
+dtype=${1:-bfloat16} DA=${2:-64} NB=${3:-64} pass=${4:-Forward}  # wgmma: DA atoms, NB groups
 case $dtype in
   bfloat16) T=at::BFloat16 ;; float16) T=at::Half ;; float32) T=float ;;
   *) echo "dtype: bfloat16, float16 or float32" >&2; exit 2 ;;
@@ -19,20 +25,31 @@ if [[ ! -x $tool ]]; then
   python -m zipfile -e /tmp/nvdisasm/nvidia_cuda_nvdisasm-*.whl /tmp/nvdisasm/
   chmod +x "$tool"
 fi
-tag=${dtype}_${DA}_${NB}_${pass}
+tag=${family}_${dtype}_${DA}_${NB}_${pass}
 unit=csrc/cuda/zz_sass_$tag.cu  # one explicit instance, removed after
 trap 'rm -f "$unit"' EXIT
-cat >"$unit" <<X
+if [[ $family == wgmma ]]; then
+  cat >"$unit" <<X
+#include "wgmma_launch.cuh"
+namespace fast_causal_attn { namespace cuda {
+template __global__ void wgmma_product_kernel<Pass::$pass, $T, $DA, $NB, false>(const KernelParams, int64_t, int64_t, int64_t);
+}}
+X
+  arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_product_kernel source=csrc/cuda/wgmma_product.cuh
+else
+  cat >"$unit" <<X
 #include "dispatch.cuh"
 namespace fast_causal_attn { namespace cuda {
 template ForwardSegments launch_tensorcore<Pass::$pass, $T, $DA, $NB>(const KernelParams&, int64_t, int64_t, cudaStream_t);
 }}
 X
+  arch="-arch=sm_90" kernel=tensorcore_product_kernel source=csrc/cuda/tensorcore_product.cuh
+fi
 shim=/tmp/sass_shim/c10/cuda/impl  # the CMake-generated header a pip torch lacks
 mkdir -p $shim && printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >$shim/cuda_cmake_macros.h
 includes=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")
-nvcc -std=c++17 -O3 -arch=sm_90 -cubin -lineinfo -w -I/tmp/sass_shim $includes \
+nvcc -std=c++17 -O3 $arch -cubin -lineinfo -w -I/tmp/sass_shim $includes \
   -I"$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")" -DFAST_CAUSAL_ATTN_WITH_CUDA \
   "$unit" -o /tmp/sass_$tag.cubin
 "$tool" -c -gi /tmp/sass_$tag.cubin >/tmp/sass_$tag.txt
-python benchmarks/sass_loop.py /tmp/sass_$tag.txt csrc/cuda/tensorcore_product.cuh
+python benchmarks/sass_loop.py /tmp/sass_$tag.txt $source --kernel $kernel
