@@ -29,22 +29,19 @@ tag=${family}_${dtype}_${DA}_${NB}_${pass}
 unit=csrc/cuda/zz_sass_$tag.cu  # one explicit instance, removed after
 trap 'rm -f "$unit"' EXIT
 if [[ $family == wgmma ]]; then
-  cat >"$unit" <<X
-#include "wgmma_launch.cuh"
-namespace fast_causal_attn { namespace cuda {
-template __global__ void wgmma_product_kernel<Pass::$pass, $T, $DA, $NB, false>(const KernelParams, int64_t, int64_t, int64_t);
-}}
-X
-  arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_product_kernel source=csrc/cuda/wgmma_product.cuh
+  include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_product_kernel
+  instance="template __global__ void wgmma_product_kernel<Pass::$pass, $T, $DA, $NB, false>(const KernelParams, int64_t, int64_t, int64_t);"
 else
-  cat >"$unit" <<X
-#include "dispatch.cuh"
+  include=dispatch.cuh arch="-arch=sm_90" kernel=tensorcore_product_kernel
+  instance="template ForwardSegments launch_tensorcore<Pass::$pass, $T, $DA, $NB>(const KernelParams&, int64_t, int64_t, cudaStream_t);"
+fi
+source=csrc/cuda/${kernel%_kernel}.cuh
+cat >"$unit" <<X
+#include "$include"
 namespace fast_causal_attn { namespace cuda {
-template ForwardSegments launch_tensorcore<Pass::$pass, $T, $DA, $NB>(const KernelParams&, int64_t, int64_t, cudaStream_t);
+$instance
 }}
 X
-  arch="-arch=sm_90" kernel=tensorcore_product_kernel source=csrc/cuda/tensorcore_product.cuh
-fi
 shim=/tmp/sass_shim/c10/cuda/impl  # the CMake-generated header a pip torch lacks
 mkdir -p $shim && printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >$shim/cuda_cmake_macros.h
 includes=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")

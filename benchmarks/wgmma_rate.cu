@@ -46,11 +46,9 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 
 // d += A B^T, both K-major: A and B from shared memory (mma_ss) or A from registers (mma_rs: the
 // four registers of mma.sync's A fragment)
-template <>
+template <>  // (N = 64: the kernels' own, wgmma.cuh's)
 __device__ __forceinline__ void mma_ss<64>(float (&d)[32], uint64_t a, uint64_t b) {
-  asm volatile(RATE_SCALE_D RATE_WGMMA(64) RATE_REGS_0_32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-               : RATE_D32(d, 0)
-               : "l"(a), "l"(b));
+  wgmma::mma_ss<0, 0>(d, a, b);
 }
 template <>
 __device__ __forceinline__ void mma_ss<128>(float (&d)[64], uint64_t a, uint64_t b) {
@@ -66,9 +64,7 @@ __device__ __forceinline__ void mma_ss<256>(float (&d)[128], uint64_t a, uint64_
 }
 template <>
 __device__ __forceinline__ void mma_rs<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
-  asm volatile(RATE_SCALE_D RATE_WGMMA(64) RATE_REGS_0_32 "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-               : RATE_D32(d, 0)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  wgmma::mma_rs<0>(d, a, b);
 }
 template <>
 __device__ __forceinline__ void mma_rs<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
