@@ -577,11 +577,12 @@ void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
 // the forward's), then the pass itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
 // one_launch (the kernel's instance that has it, or nullptr: KernelParams::lookback): the pass
 // alone, its blocks summing their segments and looking back at the sums before them, where the
-// state-only launch, the scan and the pass were three launches.
+// state-only launch, the scan and the pass were three launches; one_launch_threads: its block's
+// threads (0: threads).
 template <Pass P, typename Kernel>
 void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
                       int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles,
-                      Kernel one_launch = nullptr) {
+                      Kernel one_launch = nullptr, int one_launch_threads = 0) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   if (p.segments > 1 && !p.seg_from_forward && one_launch != nullptr) {
     allow_dynamic_smem(one_launch, smem);
@@ -596,7 +597,8 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
     one.seg_sums = buffer.data_ptr<float>();
     one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums);
     C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
-    one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(one, Da, Dc, col_tiles);
+    one_launch<<<dim3(unsigned(blocks)), dim3(one_launch_threads > 0 ? one_launch_threads : threads), smem, stream>>>(
+        one, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;  // (the buffer is the allocator's again after the kernel, in stream order)
   }

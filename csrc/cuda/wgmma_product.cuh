@@ -7,7 +7,8 @@
 // in 20 wgmma instructions (16 for float16's one-part state copy) where the mma.sync kernel
 // issues about 480 HMMA and their ldmatrix loads (bf16 8,16,2048,64 on the H200: 43 us for the
 // forward kernel, the mma.sync kernels 75; RESULTS.md, seventeenth session). A, B and Cc are
-// staged by cp.async, three chunks deep (two where Da is above 128), into one layout that serves
+// staged by cp.async (each pass alone: by a producer warpgroup of its own), three chunks deep
+// (two where Da is above 128), into one layout that serves
 // every role: element (r, c) of a 64 x 64 tile at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8) bytes (128-byte
 // rows whose 16-byte groups are permuted by the row: wgmma's 128-byte swizzle, CUTLASS's
 // Swizzle<3,4,3>), rows past the chunk and columns past Da / Dc zero. See Stager for why.
@@ -191,6 +192,12 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// This warpgroup's registers a thread set to kCount (setmaxnreg; every warp of the warpgroup runs
+// it): a producer gives back what its consumers take, within the block's allocation at launch.
+template <int kCount>
+__device__ __forceinline__ void registers_down_to() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount)); }
+template <int kCount>
+__device__ __forceinline__ void registers_up_to() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount)); }
 // This thread's shared-memory writes (generic proxy) made visible to wgmma (async proxy).
 __device__ __forceinline__ void fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Four 8 x 8 matrices of 16-bit pairs into shared memory (stmatrix.x4): lane l gives row l % 8 of
@@ -441,13 +448,18 @@ struct StateCopy {
     }
   }
   // The first chunk's copy (a barrier before its first reader): float16's scale from the state
-  // itself, which a segment's start makes anything.
-  __device__ void publish_first(const State& state) {
+  // itself, which a segment's start makes anything; `sync`: the barrier of the threads that post
+  // the largest |S| (the whole block's, or its consumers' where a producer stages the chunks).
+  template <typename Sync>
+  __device__ void publish_first(const State& state, Sync&& sync) {
     if constexpr (kHalf) {
       post_max(state);
-      __syncthreads();
+      sync();
     }
     publish(state);
+  }
+  __device__ void publish_first(const State& state) {
+    publish_first(state, [] { __syncthreads(); });
   }
   // A product with the copy alone (before anything else accumulates into it), back to S's scale.
   __device__ void scale_back(float (&d)[32]) const {
@@ -639,22 +651,38 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
                                            int64_t out_l, int n, int64_t width) {
   const int warp = group_warp(), lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
   __syncwarp();  // the warp's reads of its rows' previous contents are done
+  auto stage = [&](auto times) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
-      *reinterpret_cast<uint32_t*>(staging + row * kOutStride + column) =
-          pack<kHalf>(acc[4 * j + 2 * h] * factor, acc[4 * j + 2 * h + 1] * factor);
-    }
+      for (int h = 0; h < 2; ++h) {
+        const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
+        *reinterpret_cast<uint32_t*>(staging + row * kOutStride + column) =
+            pack<kHalf>(times(acc[4 * j + 2 * h]), times(acc[4 * j + 2 * h + 1]));
+      }
+  };
+  // factor 1 (every pass's default scale) without its 32 multiplies
+  if (factor == 1.f) {
+    stage([](float x) { return x; });
+  } else {
+    stage([factor](float x) { return x * factor; });
+  }
   __syncwarp();
+  auto write = [&](auto inside) {
 #pragma unroll
-  for (int i = lane; i < 16 * 8; i += kWarp) {
-    const int row = 16 * warp + i / 8, column = 8 * (i % 8);
-    if (row < n && column < width) {
-      *reinterpret_cast<uint4*>(out + row * out_l + column) =
-          *reinterpret_cast<const uint4*>(staging + row * kOutStride + column);
+    for (int i = lane; i < 16 * 8; i += kWarp) {
+      const int row = 16 * warp + i / 8, column = 8 * (i % 8);
+      if (inside(row, column)) {
+        *reinterpret_cast<uint4*>(out + row * out_l + column) =
+            *reinterpret_cast<const uint4*>(staging + row * kOutStride + column);
+      }
     }
+  };
+  // a whole chunk of 64 columns (the common case) without a test a store
+  if (n == C && width >= 64) {
+    write([](int, int) { return true; });
+  } else {
+    write([n, width](int row, int column) { return row < n && column < width; });
   }
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
@@ -668,8 +696,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // after it in reverse); state-only blocks (launch_segmented's first launch) sum their segment's
 // B^T Cc alone. kAtoms: A and B are 64 kAtoms columns wide (Da up to 64, 128 or 256), staged as
 // kAtoms atoms, and the state's Da rows are kAtoms row blocks (state[a], each the accumulator of
-// one m64 wgmma). kGroups: warpgroups a block, all of them on the block's one staging of A and
-// B (the first warpgroup stages A, the second B):
+// one m64 wgmma). kGroups: consumer warpgroups a block, all of them on the block's one staging of
+// A and B (the producer's; see below):
 //  - up to two atoms, each warpgroup its own 64 columns of Cc, the state and the outputs (the
 //    column tile is 64 kGroups wide): A and B are read once for Dc up to 128, where column tiles
 //    of 64 read them once a tile;
@@ -684,8 +712,19 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // kOneLaunch: the forward's segments in one launch (KernelParams::lookback), an instance of its
 // own, so that the other launches keep the pass's code as it is without it (beside the new code
 // ptxas allocated the pass's loop differently: 2-5% more instructions).
+// A producer warpgroup (the block's last; every instance but kOneLaunch's, whose warpgroup stages
+// its own chunks) stages A, B and Cc for the kGroups consumer warpgroups, kDepth - 1 chunks ahead:
+// the consumers' chains, which bound the pass (each warp issues its ~720 instructions a chunk one
+// in six cycles, the tensor pipe 53% busy: ncu, RESULTS.md, thirtieth session), keep the products,
+// the state's copy and the outputs. A stage slot is announced full by named barrier kFull + slot
+// (the producer arrives once its copies of the chunk have landed, the consumers sync) and free
+// again by kFree + slot (the consumers arrive once their products have read it).
+// Registers (kProducerRegisters, kConsumerRegisters): the producer gives back what the consumers take, where the
+// block's share at launch is below what they need (two consumer groups: 168 a thread, two blocks
+// a multiprocessor at one atom on one group: 128).
 template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false>
-__global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
+__global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 : 1)),
+                                  kAtoms == 1 && kGroups == 1 ? 2 : 1)
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
@@ -733,30 +772,59 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int64_t first_step = chunks > 0 ? chunk_begin(0) : work.seg_begin;
   const Stager stage(int(threadIdx.x % kThreads));
-  // kGroups == 1: A from first, B from second; kGroups == 2: group 0 A, group 1 B, from first.
-  const bool stages_b_first = kGroups == 2 && group == 1;
-  const bool stages_c = !kSplitRows || group == 0;
-  Source first = stage.source(stages_b_first ? ops.b_rows() : ops.a_rows(), first_step, Da);
-  Source second = stage.source(ops.b_rows(), first_step, kGroups == 1 ? Da : 0);
-  Source c_src = stage.source(ops.c_rows(), first_step, Dc, m0);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
-  const int my_c = 2 * kAtoms + (kSplitRows ? 0 : group);  // this group's Cc in a slot
-  // Chunk `it` into stage slot `slot`, as one group of copies (none past the last); called for
-  // it = 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse).
-  auto issue = [&](int64_t it, int slot) {
+  // the producer and its barriers (see above); 1 + warp: kSplitRows' exchange
+  constexpr bool kProducer = !kOneLaunch;
+  constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + (kProducer ? kThreads : 0);
+  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups, kFree = kFull + kDepth;
+  static_assert(kFree + kDepth <= 16, "named barriers");
+  // A (but in state-only blocks), B and the slot's Cc tiles of chunk `it` into stage slot `slot`,
+  // as one group of copies (none past the last); called for it = 0, 1, 2, ... in order (the
+  // sources step a chunk each call, back in reverse): by the producer, or by one launch's one
+  // warpgroup
+  Source a_src = stage.source(ops.a_rows(), first_step, Da);
+  Source b_src = stage.source(ops.b_rows(), first_step, Da);
+  Source c_src[kCcTiles];
+#pragma unroll
+  for (int g = 0; g < kCcTiles; ++g) c_src[g] = stage.source(ops.c_rows(), first_step, Dc, work.m0 + C * g);
+  auto stage_chunk = [&](int64_t it, int slot) {
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
-      if (stages_b_first) {
-        stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), first, ops.b_rows().ptr, n);
-      } else if (!state_only) {
-        stage.operator()<kReverse, kAtoms>(tile_of(slot, 0), first, ops.a_rows().ptr, n);
+      if (!state_only) stage.operator()<kReverse, kAtoms>(tile_of(slot, 0), a_src, ops.a_rows().ptr, n);
+      stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), b_src, ops.b_rows().ptr, n);
+#pragma unroll
+      for (int g = 0; g < kCcTiles; ++g) {
+        stage.operator()<kReverse>(tile_of(slot, 2 * kAtoms + g), c_src[g], ops.c_rows().ptr, n);
       }
-      if constexpr (kGroups == 1) {
-        stage.operator()<kReverse, kAtoms>(tile_of(slot, kAtoms), second, ops.b_rows().ptr, n);
-      }
-      if (stages_c) stage.operator()<kReverse>(tile_of(slot, my_c), c_src, ops.c_rows().ptr, n);
     }
     StageRing<kDepth>::commit_copies();
+  };
+  if constexpr (kProducer) {
+    // each producer thread's registers and each consumer's, where the launch's share is too few
+    constexpr bool kReallocate = kGroups == 2 || kAtoms == 1;
+    constexpr int kProducerRegisters = kGroups == 2 ? 56 : 48, kConsumerRegisters = kGroups == 2 ? 216 : 208;
+    static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * (kGroups == 2 ? 168 : 128),
+                  "the block's registers at launch");
+    if (threadIdx.x >= kConsumers) {
+      if constexpr (kReallocate) registers_down_to<kProducerRegisters>();
+      for (int i = 0; i < kDepth - 1; ++i) stage_chunk(i, i);
+      StageRing<kDepth> ring;
+      for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+        asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");  // chunk it, this thread's copies
+        fence_shared_writes();
+        named_arrive(kFull + ring.slot, kBlockThreads);
+        // chunk it + kDepth - 1 into the slot of chunk it - 1, once the consumers are done with it
+        if (it > 0 && it + kDepth - 1 < chunks) named_sync(kFree + ring.refill(), kBlockThreads);
+        stage_chunk(it + kDepth - 1, ring.refill());
+      }
+      return;
+    }
+    if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
+  }
+  const int my_c = 2 * kAtoms + (kSplitRows ? 0 : group);  // this group's Cc in a slot
+  // the consumers' own staging: none beside a producer
+  auto issue = [&](int64_t it, int slot) {
+    if constexpr (!kProducer) stage_chunk(it, slot);
   };
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
@@ -811,14 +879,32 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
+  // Chunk it in ring.slot for every consumer (with whatever each wrote to shared memory before:
+  // fence_shared_writes first where that is read by wgmma), and the slot released once the
+  // chunk's products have run (kProducer; without, the next arrive frees it).
+  auto wait_staged = [&] {
+    if constexpr (kProducer) {
+      named_sync(kFull + ring.slot, kBlockThreads);
+    } else {
+      ring.arrive();
+    }
+  };
+  auto release = [&](int64_t it) {
+    if constexpr (kProducer) {
+      if (it + kDepth < chunks) named_arrive(kFree + ring.slot, kBlockThreads);  // (refilled: chunk it + kDepth)
+    }
+  };
+  // this warpgroup's threads (the readers of its state copy)
+  auto group_sync = [&] { named_sync(kGroupBarrier + group, kThreads); };
   if (state_only) {  // the segment's own B^T Cc alone
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      ring.arrive();
+      wait_staged();
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
       commit();
       issue(it + kDepth - 1, ring.refill());
       wait<0>();
+      release(it);
     }
   } else {
     // Where the copy of the state before a chunk is made: up to two atoms a warpgroup beside the
@@ -837,10 +923,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
     if constexpr (kCopyBesideScores) {
       if constexpr (kHalf) copy.post_max(state);  // the first copy's scale, read after the barrier of arrive
     } else {
-      copy.publish_first(state);
+      copy.publish_first(state, group_sync);
     }
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      ring.arrive();  // chunk it staged (and a copy made at the end of the chunk before, seen)
+      if constexpr (!kCopyBesideScores && kProducer) fence_shared_writes();  // the copy made at the end of the chunk before
+      wait_staged();  // chunk it staged (and that copy seen)
       const int next_slot = ring.refill();
       const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
                      ct = tile_of(ring.slot, my_c);
@@ -851,7 +938,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       if constexpr (kCopyBesideScores) {
         copy.publish(state);
         fence_shared_writes();
-        __syncthreads();  // the copy seen by every warp's wgmma
+        group_sync();  // the copy seen by every warp's wgmma
       }
       if constexpr (kStateAtoms == 4) {
         // The state's 128 registers leave no room for the scores, A S and P at once (that order
@@ -891,7 +978,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
           add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
         }
       }
-      if constexpr (!kStateBehindOutputs) wait<0>();
+      if constexpr (!kStateBehindOutputs) {
+        wait<0>();
+        release(it);
+      }
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
       const int64_t t0 = chunk_begin(it);
@@ -917,9 +1007,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * kGroups, 1)
       } else {
         store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
       }
-      if constexpr (kStateBehindOutputs) wait<0>();  // the state's update, before its next copy
+      if constexpr (kStateBehindOutputs) {
+        wait<0>();  // the state's update, before its next copy
+        release(it);
+      }
       if constexpr (!kCopyBesideScores) {
-        __syncthreads();      // every warp's wgmma has read the state copy
+        group_sync();         // every warp's wgmma has read the state copy
         copy.publish(state);  // S after this chunk, for the next
       }
     }
