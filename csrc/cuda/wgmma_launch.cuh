@@ -249,11 +249,13 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
     }
   }();
   // each pass alone: its groups and a producer warpgroup, but one launch's instance (its one group
-  // stages its own chunks)
+  // stages its own chunks); dk with dv: one group and a producer, or above 64 two groups (the
+  // wide kernel, which stages its own chunks: a producer there measured slower, RESULTS.md,
+  // thirty-first session)
   const int threads = kFloat              ? 2 * wgmma_tf32::kThreads
-                      : P == Pass::GradKV ? wgmma::kThreads * (wide ? 2 : 1)
+                      : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
-  const int one_launch_threads = P == Pass::GradKV ? threads : wgmma::kThreads;
+  const int one_launch_threads = wgmma::kThreads;
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)

@@ -344,6 +344,41 @@ struct StageRing {
   __device__ __forceinline__ static void commit_copies() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 };
 
+// The ring of kDepth stage slots a producer warpgroup fills for its consumers: slot s announced
+// full by named barrier full0 + s once the producer's copies of its chunk have landed (the
+// producer arrives, the consumers sync), and free again by full0 + kDepth + s once the
+// consumers' products have read it (they arrive, the producer syncs before refilling it), each
+// barrier of `threads` threads (the producer's and the consumers'). Each chunk's slot is
+// refilled with chunk it + kDepth, so the consumers release only chunks that have one.
+template <int kDepth>
+struct ProducedRing {
+  int full0, threads;
+  int slot = 0;  // the consumers' chunk it's
+  // The producer's walk: chunks 0 .. chunks - 1 staged by stage(it, slot), it = 0, 1, 2, ... in
+  // order (one cp.async group each, committed even where it is empty), kDepth - 1 ahead.
+  template <typename Stage>
+  __device__ void produce(int64_t chunks, Stage&& stage) const {
+    for (int i = 0; i < kDepth - 1; ++i) stage(i, i);
+    StageRing<kDepth> ring;
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");  // chunk it, this thread's copies
+      fence_shared_writes();
+      named_arrive(full0 + ring.slot, threads);
+      // chunk it + kDepth - 1 into the slot of chunk it - 1, once the consumers are done with it
+      if (it > 0 && it + kDepth - 1 < chunks) named_sync(full0 + kDepth + ring.refill(), threads);
+      stage(it + kDepth - 1, ring.refill());
+    }
+  }
+  // The consumers: chunk it in `slot` for every consumer, seen by wgmma (with whatever each wrote
+  // to shared memory before and fenced: fence_shared_writes); the slot released once the
+  // chunk's products have run.
+  __device__ void wait() const { named_sync(full0 + slot, threads); }
+  __device__ void release(int64_t it, int64_t chunks) const {
+    if (it + kDepth < chunks) named_arrive(full0 + kDepth + slot, threads);
+  }
+  __device__ void advance() { slot = slot + 1 == kDepth ? 0 : slot + 1; }
+};
+
 // dk and dv's walks that sum a segment's own dO^T Q alone (state-only blocks, a one-launch pass's
 // first walk) stage two of the pass's four operands a chunk and use none of the rest of its shared
 // memory: their ring takes the stage slots and the state copy's tiles (`area` tiles) in slots of
@@ -776,8 +811,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
   // the producer and its barriers (see above); 1 + warp: kSplitRows' exchange
   constexpr bool kProducer = !kOneLaunch;
   constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + (kProducer ? kThreads : 0);
-  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups, kFree = kFull + kDepth;
-  static_assert(kFree + kDepth <= 16, "named barriers");
+  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups;
+  static_assert(kFull + 2 * kDepth <= 16, "named barriers");
   // A (but in state-only blocks), B and the slot's Cc tiles of chunk `it` into stage slot `slot`,
   // as one group of copies (none past the last); called for it = 0, 1, 2, ... in order (the
   // sources step a chunk each call, back in reverse): by the producer, or by one launch's one
@@ -807,16 +842,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
                   "the block's registers at launch");
     if (threadIdx.x >= kConsumers) {
       if constexpr (kReallocate) registers_down_to<kProducerRegisters>();
-      for (int i = 0; i < kDepth - 1; ++i) stage_chunk(i, i);
-      StageRing<kDepth> ring;
-      for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-        asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");  // chunk it, this thread's copies
-        fence_shared_writes();
-        named_arrive(kFull + ring.slot, kBlockThreads);
-        // chunk it + kDepth - 1 into the slot of chunk it - 1, once the consumers are done with it
-        if (it > 0 && it + kDepth - 1 < chunks) named_sync(kFree + ring.refill(), kBlockThreads);
-        stage_chunk(it + kDepth - 1, ring.refill());
-      }
+      ProducedRing<kDepth>{kFull, kBlockThreads}.produce(chunks, stage_chunk);
       return;
     }
     if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
@@ -878,21 +904,19 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
-  StageRing<kDepth> ring;
+  StageRing<kDepth> ring;  // (its slot: the produced ring's too)
   // Chunk it in ring.slot for every consumer (with whatever each wrote to shared memory before:
   // fence_shared_writes first where that is read by wgmma), and the slot released once the
   // chunk's products have run (kProducer; without, the next arrive frees it).
   auto wait_staged = [&] {
     if constexpr (kProducer) {
-      named_sync(kFull + ring.slot, kBlockThreads);
+      ProducedRing<kDepth>{kFull, kBlockThreads, ring.slot}.wait();
     } else {
       ring.arrive();
     }
   };
   auto release = [&](int64_t it) {
-    if constexpr (kProducer) {
-      if (it + kDepth < chunks) named_arrive(kFree + ring.slot, kBlockThreads);  // (refilled: chunk it + kDepth)
-    }
+    if constexpr (kProducer) ProducedRing<kDepth>{kFull, kBlockThreads, ring.slot}.release(it, chunks);
   };
   // this warpgroup's threads (the readers of its state copy)
   auto group_sync = [&] { named_sync(kGroupBarrier + group, kThreads); };
@@ -1035,9 +1059,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
 // (mask: the scores of timesteps t >= s kept), dv's products first, then dk's with D's update
 // behind them. q, k, v and dO are staged once a chunk where the two passes staged six tiles; the
 // state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
-// pass's, as run_grad_kv gives them).
+// pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (state-only
+// blocks: q and dO, in a deeper ring) as wgmma_product_kernel's, but in one launch's instance,
+// whose one warpgroup stages its own.
 template <typename scalar_t, bool kOneLaunch = false>  // (kOneLaunch: as wgmma_product_kernel's)
-__global__ void __launch_bounds__(wgmma::kThreads, 1)
+__global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
@@ -1059,14 +1085,14 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   const Operands<Pass::GradV, scalar_t, float> ops_v(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
   const int64_t chunks = work.chunk_count(C), M = Da, E = Dc;
   const bool state_only = work.state_only;  // the segment's own dO^T Q alone
-  const Stager stage(threadIdx.x);
+  const Stager stage(int(threadIdx.x % kThreads));
   const int64_t last = work.seg_begin + (chunks > 0 ? chunks - 1 : 0) * C;  // the first chunk taken
   const Rows q_rows{ops.q, ops.q_l}, k_rows{ops.k, ops.k_l}, v_rows{ops.v, ops.v_l}, dout_rows{ops.dout, ops.dout_l};
   Source q_src = stage.source(q_rows, last, E), k_src = stage.source(k_rows, last, E),
          v_src = stage.source(v_rows, last, M), dout_src = stage.source(dout_rows, last, M);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
   auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
-  auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
+  auto stage_chunk = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       stage.operator()<true>(tile_of(slot, 0), q_src, ops.q, n);
@@ -1076,6 +1102,11 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     }
     StageRing<>::commit_copies();
   };
+  // the consumers' own staging: none beside a producer
+  constexpr bool kProducer = !kOneLaunch;
+  auto issue = [&](int64_t it, int slot) {
+    if constexpr (!kProducer) stage_chunk(it, slot);
+  };
 
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
   // (the sums of the segments after it).
@@ -1084,6 +1115,27 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
   // the stage slots and the state copy.
   constexpr int kSumDepth = sum_depth(kStages * 4 + 2, 2);
   auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 2 + which) * kTile; };
+  // named barriers: 1 the consumers', 2 on the produced ring's (the pass's or the sums')
+  constexpr int kConsumersBarrier = 1, kFull = 2, kBlockThreads = kThreads * (kProducer ? 2 : 1);
+  static_assert(kFull + 2 * kSumDepth <= 16, "named barriers");
+  if constexpr (kProducer) {
+    if (threadIdx.x >= kThreads) {  // the producer: the chunks from the last back to the first
+      if (state_only) {
+        ProducedRing<kSumDepth>{kFull, kBlockThreads}.produce(chunks, [&](int64_t it, int slot) {
+          if (it < chunks) {
+            const int n = work.chunk_len(chunk_begin(it), C);
+            stage.operator()<true>(sum_tile(slot, 0), q_src, ops.q, n);
+            stage.operator()<true>(sum_tile(slot, 1), dout_src, ops.dout, n);
+          }
+          StageRing<>::commit_copies();
+        });
+      } else {
+        ProducedRing<kStages>{kFull, kBlockThreads}.produce(chunks, stage_chunk);
+      }
+      return;
+    }
+  }
+  auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
   auto sum_walk = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
     auto issue_sums = [&](int64_t it, int slot) {
       if (it < chunks) {
@@ -1122,17 +1174,34 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
   };
   if (state_only) {  // the segment's own dO^T Q alone
-    sum_walk(q_src, dout_src, chunk_begin, std::true_type{});
+    if constexpr (kProducer) {
+      ProducedRing<kSumDepth> ring{kFull, kBlockThreads};
+      for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+        ring.wait();
+        fence();
+        add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));  // D += dO^T Q
+        commit();
+        wait<0>();
+        ring.release(it, chunks);
+      }
+    } else {
+      sum_walk(q_src, dout_src, chunk_begin, std::true_type{});
+    }
     store_segment_end();
     return;
   }
-  copy.publish_first(copy.rows(d));
+  copy.publish_first(copy.rows(d), consumers_sync);
 
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  StageRing<> ring;
+  StageRing<> ring;  // (its slot: the produced ring's too)
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    ring.arrive();
+    if constexpr (kProducer) {
+      fence_shared_writes();  // the state's copy, made at the end of the chunk before
+      ProducedRing<kStages>{kFull, kBlockThreads, ring.slot}.wait();
+    } else {
+      ring.arrive();
+    }
     const int next_slot = ring.refill();
     const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
                    dt = tile_of(ring.slot, 3);
@@ -1172,15 +1241,22 @@ __global__ void __launch_bounds__(wgmma::kThreads, 1)
     commit();
     issue(it + kStages - 1, next_slot);
     wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
+    auto release = [&] {
+      if constexpr (kProducer) ProducedRing<kStages>{kFull, kBlockThreads, ring.slot}.release(it, chunks);
+    };
     if constexpr (kHalf) {
       copy.scale_back(acc);
       add_masked_times<kHalf, true>(acc, score, qt);
       wait<0>();
+      release();
       copy.post_max(copy.rows(d));
     }
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
-    if constexpr (!kHalf) wait<0>();  // D's update, before its copy
-    __syncthreads();  // every warp's wgmma has read the state copy
+    if constexpr (!kHalf) {
+      wait<0>();  // D's update, before its copy
+      release();
+    }
+    consumers_sync();  // every warp's wgmma has read the state copy
     copy.publish(copy.rows(d));
   }
   store_segment_end();
