@@ -125,8 +125,9 @@ if has tests; then
 fi
 
 if has sanitize; then
-  # sanitize NAME PYTEST_K [FILE]: memcheck and racecheck of the tests FILE's -k selects
-  # (tests/test_correctness.py by default); SANITIZE_SUBSETS="forward_segments ..." runs only the
+  # sanitize NAME PYTEST_K [FILE]: memcheck, racecheck and synccheck (the producer warpgroups'
+  # named barriers) of the tests FILE's -k selects (tests/test_correctness.py by default);
+  # SANITIZE_TOOLS picks some of them; SANITIZE_SUBSETS="forward_segments ..." runs only the
   # subsets named (default: all)
   # SANITIZE_JOBS=N runs up to N of them at once (each its own process on the one GPU; default 1)
   sanitize_one() {  # NAME PYTEST_K FILE TOOL: its log, and its exit status in a file beside it
@@ -136,7 +137,7 @@ if has sanitize; then
   }
   sanitize() {
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
-    for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+    for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
       while (( $(sanitize_running) >= ${SANITIZE_JOBS:-1} )); do sleep 1; done
       sanitize_one "$1" "$2" "${3:-tests/test_correctness.py}" $tool &
       sanitize_pids+=($!)
