@@ -7,13 +7,16 @@
 #                       # wgmma_product_kernel<pass, dtype, atoms, groups> for sm_90a: its chunk
 #                       # loop's instructions by opcode and line (the passes are bound by each
 #                       # warp's instructions a chunk: RESULTS.md, thirtieth session, call 5)
+#   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide]
+#                       # wgmma_grad_kv_kernel (E, M up to 64) or, with wide, the wide kernel
+#                       # (up to 128): dk with dv in one pass
 #
 # Needs nvcc and torch's headers (the build's); nvdisasm comes from PyPI's nvidia-cuda-nvdisasm
 # wheel (no CUDA toolkit here has it), unpacked once into /tmp/nvdisasm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 family=tensorcore
-if [[ ${1:-} == wgmma ]]; then family=wgmma; shift; fi
+if [[ ${1:-} == wgmma || ${1:-} == grad_kv ]]; then family=$1; shift; fi
 dtype=${1:-bfloat16} DA=${2:-64} NB=${3:-64} pass=${4:-Forward}  # wgmma: DA atoms, NB groups
 case $dtype in
   bfloat16) T=at::BFloat16 ;; float16) T=at::Half ;; float32) T=float ;;
@@ -28,14 +31,21 @@ fi
 tag=${family}_${dtype}_${DA}_${NB}_${pass}
 unit=csrc/cuda/zz_sass_$tag.cu  # one explicit instance, removed after
 trap 'rm -f "$unit"' EXIT
-if [[ $family == wgmma ]]; then
+if [[ $family == grad_kv ]]; then
+  include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" source=wgmma_product
+  if [[ $DA == wide ]]; then
+    kernel=wgmma_grad_kv_wide_kernel instance="template __global__ void wgmma_grad_kv_wide_kernel<$T>(const KernelParams, int64_t, int64_t, int64_t);"
+  else
+    kernel=wgmma_grad_kv_kernel instance="template __global__ void wgmma_grad_kv_kernel<$T, false>(const KernelParams, int64_t, int64_t, int64_t);"
+  fi
+elif [[ $family == wgmma ]]; then
   include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_product_kernel
   instance="template __global__ void wgmma_product_kernel<Pass::$pass, $T, $DA, $NB, false>(const KernelParams, int64_t, int64_t, int64_t);"
 else
   include=dispatch.cuh arch="-arch=sm_90" kernel=tensorcore_product_kernel
   instance="template ForwardSegments launch_tensorcore<Pass::$pass, $T, $DA, $NB>(const KernelParams&, int64_t, int64_t, cudaStream_t);"
 fi
-source=csrc/cuda/${kernel%_kernel}.cuh
+source=csrc/cuda/${source:-${kernel%_kernel}}.cuh
 cat >"$unit" <<X
 #include "$include"
 namespace fast_causal_attn { namespace cuda {
