@@ -7,6 +7,9 @@
 #                       # wgmma_product_kernel<pass, dtype, atoms, groups> for sm_90a: its chunk
 #                       # loop's instructions by opcode and line (the passes are bound by each
 #                       # warp's instructions a chunk: RESULTS.md, thirtieth session, call 5)
+#   bash benchmarks/sass_offline.sh tf32 Forward [tf32]
+#                       # wgmma_tf32_product_kernel<pass, 3xTF32> (float32's; with tf32: the
+#                       # heads alone, TF32)
 #   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide]
 #                       # wgmma_grad_kv_kernel (E, M up to 64) or, with wide, the wide kernel
 #                       # (up to 128): dk with dv in one pass
@@ -17,6 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 family=tensorcore
 if [[ ${1:-} == wgmma || ${1:-} == grad_kv ]]; then family=$1; shift; fi
+if [[ ${1:-} == tf32 ]]; then family=tf32; split=$([[ ${3:-} == tf32 ]] && echo false || echo true); set -- float32 0 0 "${2:-Forward}"; fi
 dtype=${1:-bfloat16} DA=${2:-64} NB=${3:-64} pass=${4:-Forward}  # wgmma: DA atoms, NB groups
 case $dtype in
   bfloat16) T=at::BFloat16 ;; float16) T=at::Half ;; float32) T=float ;;
@@ -31,7 +35,10 @@ fi
 tag=${family}_${dtype}_${DA}_${NB}_${pass}
 unit=csrc/cuda/zz_sass_$tag.cu  # one explicit instance, removed after
 trap 'rm -f "$unit"' EXIT
-if [[ $family == grad_kv ]]; then
+if [[ $family == tf32 ]]; then
+  include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_tf32_product_kernel
+  instance="template __global__ void wgmma_tf32_product_kernel<Pass::$pass, $split>(const KernelParams, int64_t, int64_t, int64_t);"
+elif [[ $family == grad_kv ]]; then
   include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" source=wgmma_product
   if [[ $DA == wide ]]; then
     kernel=wgmma_grad_kv_wide_kernel instance="template __global__ void wgmma_grad_kv_wide_kernel<$T>(const KernelParams, int64_t, int64_t, int64_t);"
