@@ -349,11 +349,13 @@ struct StageRing {
 // producer arrives, the consumers sync), and free again by full0 + kDepth + s once the
 // consumers' products have read it (they arrive, the producer syncs before refilling it), each
 // barrier of `threads` threads (the producer's and the consumers'). Each chunk's slot is
-// refilled with chunk it + kDepth, so the consumers release only chunks that have one.
+// refilled with chunk it + kDepth, so the consumers release only chunks that have one. The
+// consumers' ring (slot: their chunk it's; arrive, refill: where a warpgroup stages its own, as
+// one launch's instances do).
 template <int kDepth>
-struct ProducedRing {
+struct ProducedRing : StageRing<kDepth> {
   int full0, threads;
-  int slot = 0;  // the consumers' chunk it's
+  __device__ ProducedRing(int full0_, int threads_) : full0(full0_), threads(threads_) {}
   // The producer's walk: chunks 0 .. chunks - 1 staged by stage(it, slot), it = 0, 1, 2, ... in
   // order (one cp.async group each, committed even where it is empty), kDepth - 1 ahead.
   template <typename Stage>
@@ -372,11 +374,10 @@ struct ProducedRing {
   // The consumers: chunk it in `slot` for every consumer, seen by wgmma (with whatever each wrote
   // to shared memory before and fenced: fence_shared_writes); the slot released once the
   // chunk's products have run.
-  __device__ void wait() const { named_sync(full0 + slot, threads); }
+  __device__ void wait() const { named_sync(full0 + this->slot, threads); }
   __device__ void release(int64_t it, int64_t chunks) const {
-    if (it + kDepth < chunks) named_arrive(full0 + kDepth + slot, threads);
+    if (it + kDepth < chunks) named_arrive(full0 + kDepth + this->slot, threads);
   }
-  __device__ void advance() { slot = slot + 1 == kDepth ? 0 : slot + 1; }
 };
 
 // dk and dv's walks that sum a segment's own dO^T Q alone (state-only blocks, a one-launch pass's
@@ -751,15 +752,18 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // its own chunks) stages A, B and Cc for the kGroups consumer warpgroups, kDepth - 1 chunks ahead:
 // the consumers' chains, which bound the pass (each warp issues its ~720 instructions a chunk one
 // in six cycles, the tensor pipe 53% busy: ncu, RESULTS.md, thirtieth session), keep the products,
-// the state's copy and the outputs. A stage slot is announced full by named barrier kFull + slot
-// (the producer arrives once its copies of the chunk have landed, the consumers sync) and free
-// again by kFree + slot (the consumers arrive once their products have read it).
-// Registers (kProducerRegisters, kConsumerRegisters): the producer gives back what the consumers take, where the
-// block's share at launch is below what they need (two consumer groups: 168 a thread, two blocks
-// a multiprocessor at one atom on one group: 128).
+// the state's copy and the outputs, on a ProducedRing whose named barriers start at kFull.
+// Registers (kProducerRegisters, kConsumerRegisters): the producer gives back what the consumers
+// take, where the block's share at launch (kLaunchRegisters) is below what they need (two
+// consumer groups: 168 a thread; two blocks a multiprocessor at one atom on one group: 128).
+namespace wgmma {
+// wgmma_product_kernel's blocks a multiprocessor: two at one atom on one warpgroup (97 KB of
+// shared memory each), one otherwise
+__host__ __device__ constexpr int product_blocks_per_sm(int atoms, int groups) { return atoms == 1 && groups == 1 ? 2 : 1; }
+}  // namespace wgmma
 template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false>
 __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 : 1)),
-                                  kAtoms == 1 && kGroups == 1 ? 2 : 1)
+                                  wgmma::product_blocks_per_sm(kAtoms, kGroups))
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
@@ -836,13 +840,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
   };
   if constexpr (kProducer) {
     // each producer thread's registers and each consumer's, where the launch's share is too few
-    constexpr bool kReallocate = kGroups == 2 || kAtoms == 1;
+    constexpr int kLaunchRegisters = 65536 / (kBlockThreads * product_blocks_per_sm(kAtoms, kGroups)) / 8 * 8;
+    constexpr bool kReallocate = kLaunchRegisters < 255;
     constexpr int kProducerRegisters = kGroups == 2 ? 56 : 48, kConsumerRegisters = kGroups == 2 ? 216 : 208;
-    static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * (kGroups == 2 ? 168 : 128),
+    static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * kLaunchRegisters,
                   "the block's registers at launch");
     if (threadIdx.x >= kConsumers) {
       if constexpr (kReallocate) registers_down_to<kProducerRegisters>();
-      ProducedRing<kDepth>{kFull, kBlockThreads}.produce(chunks, stage_chunk);
+      ProducedRing<kDepth>(kFull, kBlockThreads).produce(chunks, stage_chunk);
       return;
     }
     if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
@@ -904,19 +909,19 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
-  StageRing<kDepth> ring;  // (its slot: the produced ring's too)
+  ProducedRing<kDepth> ring(kFull, kBlockThreads);
   // Chunk it in ring.slot for every consumer (with whatever each wrote to shared memory before:
   // fence_shared_writes first where that is read by wgmma), and the slot released once the
   // chunk's products have run (kProducer; without, the next arrive frees it).
   auto wait_staged = [&] {
     if constexpr (kProducer) {
-      ProducedRing<kDepth>{kFull, kBlockThreads, ring.slot}.wait();
+      ring.wait();
     } else {
       ring.arrive();
     }
   };
   auto release = [&](int64_t it) {
-    if constexpr (kProducer) ProducedRing<kDepth>{kFull, kBlockThreads, ring.slot}.release(it, chunks);
+    if constexpr (kProducer) ring.release(it, chunks);
   };
   // this warpgroup's threads (the readers of its state copy)
   auto group_sync = [&] { named_sync(kGroupBarrier + group, kThreads); };
@@ -1121,7 +1126,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
   if constexpr (kProducer) {
     if (threadIdx.x >= kThreads) {  // the producer: the chunks from the last back to the first
       if (state_only) {
-        ProducedRing<kSumDepth>{kFull, kBlockThreads}.produce(chunks, [&](int64_t it, int slot) {
+        ProducedRing<kSumDepth>(kFull, kBlockThreads).produce(chunks, [&](int64_t it, int slot) {
           if (it < chunks) {
             const int n = work.chunk_len(chunk_begin(it), C);
             stage.operator()<true>(sum_tile(slot, 0), q_src, ops.q, n);
@@ -1130,7 +1135,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
           StageRing<>::commit_copies();
         });
       } else {
-        ProducedRing<kStages>{kFull, kBlockThreads}.produce(chunks, stage_chunk);
+        ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk);
       }
       return;
     }
@@ -1175,7 +1180,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
   };
   if (state_only) {  // the segment's own dO^T Q alone
     if constexpr (kProducer) {
-      ProducedRing<kSumDepth> ring{kFull, kBlockThreads};
+      ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
       for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
         ring.wait();
         fence();
@@ -1194,11 +1199,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
 
   const float factor = float(p.scale);
   for (int i = 0; i < kStages - 1; ++i) issue(i, i);
-  StageRing<> ring;  // (its slot: the produced ring's too)
+  ProducedRing<kStages> ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     if constexpr (kProducer) {
       fence_shared_writes();  // the state's copy, made at the end of the chunk before
-      ProducedRing<kStages>{kFull, kBlockThreads, ring.slot}.wait();
+      ring.wait();
     } else {
       ring.arrive();
     }
@@ -1242,7 +1247,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
     issue(it + kStages - 1, next_slot);
     wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
     auto release = [&] {
-      if constexpr (kProducer) ProducedRing<kStages>{kFull, kBlockThreads, ring.slot}.release(it, chunks);
+      if constexpr (kProducer) ring.release(it, chunks);
     };
     if constexpr (kHalf) {
       copy.scale_back(acc);
