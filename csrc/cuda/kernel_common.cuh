@@ -458,11 +458,16 @@ __device__ __forceinline__ int64_t ticket_in_reverse(unsigned* counter, unsigned
   const int64_t number = ticket(counter, scratch), segment = number % segments;
   return number - segment + (segments - 1 - segment);
 }
-// The block's writes seen device-wide, then its flag raised (release).
-__device__ __forceinline__ void publish(unsigned* flag) {
+// The block's writes seen device-wide, then its flag raised (release); `sync`: the barrier of
+// the threads that wrote them (thread 0 among them: the block's, or a kernel's consumer warps').
+template <typename Sync>
+__device__ __forceinline__ void publish(unsigned* flag, Sync&& sync) {
   __threadfence();
-  __syncthreads();
+  sync();
   if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
+}
+__device__ __forceinline__ void publish(unsigned* flag) {
+  publish(flag, [] { __syncthreads(); });
 }
 // Until flags[0, n) are raised (acquire), for the whole block: thread i polls flags i, i +
 // blockDim.x, ..., so that the polls' round trips to the L2 overlap (one thread polling them in
@@ -470,8 +475,10 @@ __device__ __forceinline__ void publish(unsigned* flag) {
 // barrier after passes each thread's acquire on to the block. A wait far longer than any
 // segment's sums take (2^24 polls, tens of seconds) traps, as a hang's diagnosis, where the
 // protocol says none can be.
-__device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+// (`sync`, `threads`: as publish's, the threads 0 .. threads - 1 that wait and their barrier)
+template <typename Sync>
+__device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n, Sync&& sync, int threads) {
+  for (int64_t i = threadIdx.x; i < n; i += threads) {
     unsigned raised = 0;
     for (uint64_t spins = 0;; ++spins) {
       asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(raised) : "l"(flags + i) : "memory");
@@ -480,7 +487,10 @@ __device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
       __nanosleep(64);
     }
   }
-  __syncthreads();
+  sync();
+}
+__device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
+  wait_for(flags, n, [] { __syncthreads(); }, int(blockDim.x));
 }
 }  // namespace lookback
 
@@ -577,12 +587,11 @@ void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
 // the forward's), then the pass itself. Both launches with the kernel's (params, Da, Dc, col_tiles).
 // one_launch (the kernel's instance that has it, or nullptr: KernelParams::lookback): the pass
 // alone, its blocks summing their segments and looking back at the sums before them, where the
-// state-only launch, the scan and the pass were three launches; one_launch_threads: its block's
-// threads (0: threads).
+// state-only launch, the scan and the pass were three launches (with the pass's threads).
 template <Pass P, typename Kernel>
 void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspace& workspace, int64_t blocks,
                       int threads, size_t smem, cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles,
-                      Kernel one_launch = nullptr, int one_launch_threads = 0) {
+                      Kernel one_launch = nullptr) {
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   if (p.segments > 1 && !p.seg_from_forward && one_launch != nullptr) {
     allow_dynamic_smem(one_launch, smem);
@@ -597,7 +606,7 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
     one.seg_sums = buffer.data_ptr<float>();
     one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums);
     C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
-    one_launch<<<dim3(unsigned(blocks)), dim3(one_launch_threads > 0 ? one_launch_threads : threads), smem, stream>>>(
+    one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(
         one, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;  // (the buffer is the allocator's again after the kernel, in stream order)

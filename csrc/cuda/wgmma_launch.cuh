@@ -248,14 +248,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       return atoms == 1 && groups == 1 ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
     }
   }();
-  // each pass alone: its groups and a producer warpgroup, but one launch's instance (its one group
-  // stages its own chunks); dk with dv: one group and a producer, or above 64 two groups (the
-  // wide kernel, which stages its own chunks: a producer there measured slower, RESULTS.md,
-  // thirty-first session)
+  // each pass alone: its groups and a producer warpgroup (one launch's instances too); dk with dv:
+  // one group and a producer, or above 64 two groups (the wide kernel, which stages its own
+  // chunks: a producer there measured slower, RESULTS.md, thirty-first session)
   const int threads = kFloat              ? 2 * wgmma_tf32::kThreads
                       : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
-  const int one_launch_threads = wgmma::kThreads;
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
@@ -282,7 +280,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
   const RowTileSums<P> sums(p, row_tiles, Dc, stream);
   launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
-                      one_launch ? one_launch_kernel : nullptr, one_launch_threads);
+                      one_launch ? one_launch_kernel : nullptr);
   sums.finish(p);
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();

@@ -748,8 +748,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // kOneLaunch: the forward's segments in one launch (KernelParams::lookback), an instance of its
 // own, so that the other launches keep the pass's code as it is without it (beside the new code
 // ptxas allocated the pass's loop differently: 2-5% more instructions).
-// A producer warpgroup (the block's last; every instance but kOneLaunch's, whose warpgroup stages
-// its own chunks) stages A, B and Cc for the kGroups consumer warpgroups, kDepth - 1 chunks ahead:
+// A producer warpgroup (the block's last) stages A, B and Cc for the kGroups consumer warpgroups
+// (kOneLaunch: B and Cc of the summing walk first, then the pass's), kDepth - 1 chunks ahead:
 // the consumers' chains, which bound the pass (each warp issues its ~720 instructions a chunk one
 // in six cycles, the tensor pipe 53% busy: ncu, RESULTS.md, thirtieth session), keep the products,
 // the state's copy and the outputs, on a ProducedRing whose named barriers start at kFull.
@@ -762,8 +762,7 @@ namespace wgmma {
 __host__ __device__ constexpr int product_blocks_per_sm(int atoms, int groups) { return atoms == 1 && groups == 1 ? 2 : 1; }
 }  // namespace wgmma
 template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false>
-__global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 : 1)),
-                                  wgmma::product_blocks_per_sm(kAtoms, kGroups))
+__global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::product_blocks_per_sm(kAtoms, kGroups))
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
@@ -813,20 +812,44 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
   const Stager stage(int(threadIdx.x % kThreads));
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   // the producer and its barriers (see above); 1 + warp: kSplitRows' exchange
-  constexpr bool kProducer = !kOneLaunch;
-  constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + (kProducer ? kThreads : 0);
+  constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + kThreads;
   constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups;
   static_assert(kFull + 2 * kDepth <= 16, "named barriers");
-  // A (but in state-only blocks), B and the slot's Cc tiles of chunk `it` into stage slot `slot`,
-  // as one group of copies (none past the last); called for it = 0, 1, 2, ... in order (the
-  // sources step a chunk each call, back in reverse): by the producer, or by one launch's one
-  // warpgroup
+  using Ring = ProducedRing<kDepth>;
+  // One launch (kOneLaunch): where a later segment starts from this one's own sums, B^T Cc, the
+  // block first walks its chunks (all whole: not the sequence's last segment) from the last back
+  // to the first summing them, so that the pass after starts on the chunks read last, their k and
+  // v likely still in the L2. One ring serves both walks: the ring's chunk j < summed is the
+  // summing walk's, j - summed the pass's, and the producer stages the pass's first chunks while
+  // the consumers wait for the sums of the segments before. (Measured against one warpgroup
+  // staging its own chunks, H200, kernel ms: 0.0311 -> 0.0296 bf16, 0.0329 -> 0.0316 fp16 at
+  // 2,4,8192,64; RESULTS.md, thirty-second session.)
+  const int64_t summed = kOneLaunch && work.segment + 1 < p.segments ? chunks : 0;
+  const int64_t walked = summed + chunks;  // the ring's chunks
+  // A (but in state-only blocks and the summing walk), B and the slot's Cc tiles of the ring's
+  // chunk j into stage slot `slot`, as one group of copies (none past the last); called for j =
+  // 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse and in the summing
+  // walk), by the producer
+  const int64_t b_first = summed > 0 ? work.seg_begin + (chunks - 1) * C : first_step;
   Source a_src = stage.source(ops.a_rows(), first_step, Da);
-  Source b_src = stage.source(ops.b_rows(), first_step, Da);
+  Source b_src = stage.source(ops.b_rows(), b_first, Da);
   Source c_src[kCcTiles];
 #pragma unroll
-  for (int g = 0; g < kCcTiles; ++g) c_src[g] = stage.source(ops.c_rows(), first_step, Dc, work.m0 + C * g);
-  auto stage_chunk = [&](int64_t it, int slot) {
+  for (int g = 0; g < kCcTiles; ++g) c_src[g] = stage.source(ops.c_rows(), b_first, Dc, work.m0 + C * g);
+  auto stage_chunk = [&](int64_t j, int slot) {
+    if constexpr (kOneLaunch) {
+      if (j < summed) {
+        stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_src, ops.b_rows().ptr, C);
+        stage.operator()<true>(tile_of(slot, 2 * kAtoms), c_src[0], ops.c_rows().ptr, C);
+        StageRing<kDepth>::commit_copies();
+        if (j + 1 == summed) {  // the pass's sources, from its first chunk
+          b_src = stage.source(ops.b_rows(), first_step, Da);
+          c_src[0] = stage.source(ops.c_rows(), first_step, Dc, work.m0);
+        }
+        return;
+      }
+    }
+    const int64_t it = j - summed;
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       if (!state_only) stage.operator()<kReverse, kAtoms>(tile_of(slot, 0), a_src, ops.a_rows().ptr, n);
@@ -838,60 +861,63 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
     }
     StageRing<kDepth>::commit_copies();
   };
-  if constexpr (kProducer) {
+  {
     // each producer thread's registers and each consumer's, where the launch's share is too few
     constexpr int kLaunchRegisters = 65536 / (kBlockThreads * product_blocks_per_sm(kAtoms, kGroups)) / 8 * 8;
     constexpr bool kReallocate = kLaunchRegisters < 255;
     constexpr int kProducerRegisters = kGroups == 2 ? 56 : 48, kConsumerRegisters = kGroups == 2 ? 216 : 208;
     static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * kLaunchRegisters,
                   "the block's registers at launch");
-    if (threadIdx.x >= kConsumers) {
+    // (warpgroup(), broadcast: a branch the compiler knows each warp takes whole, so that the
+    // consumers' descriptors stay in uniform registers: <Forward, bf16, 2, 1>'s chunk loop 860 ->
+    // 743 static instructions, 106 R2UR -> 0; its kernel times unchanged on the H200, RESULTS.md,
+    // thirty-second session)
+    if (warpgroup() == kGroups) {
       if constexpr (kReallocate) registers_down_to<kProducerRegisters>();
-      ProducedRing<kDepth>(kFull, kBlockThreads).produce(chunks, stage_chunk);
+      Ring(kFull, kBlockThreads).produce(walked, stage_chunk);
       return;
     }
     if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
   }
   const int my_c = 2 * kAtoms + (kSplitRows ? 0 : group);  // this group's Cc in a slot
-  // the consumers' own staging: none beside a producer
-  auto issue = [&](int64_t it, int slot) {
-    if constexpr (!kProducer) stage_chunk(it, slot);
-  };
+  // the consumers' barriers: this warpgroup's threads (the readers of its state copy), and all of
+  // the consumers' (one launch's flags)
+  auto group_sync = [&] { named_sync(kGroupBarrier + group, kThreads); };
+  auto consumers_sync = [] { named_sync(kGroupBarrier, kConsumers); };
+  static_assert(!kOneLaunch || kGroups == 1, "(one group: its barrier is the consumers')");
+  // The ring's chunk j in ring.slot for every consumer (with whatever each wrote to shared memory
+  // before and fenced: fence_shared_writes), and the slot released once the chunk's products
+  // have run.
+  Ring ring(kFull, kBlockThreads);
+  auto wait_staged = [&] { ring.wait(); };
+  auto release = [&](int64_t j) { ring.release(j, walked); };
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
   float state[kStateAtoms][32];
-  if constexpr (kOneLaunch) {  // (one warpgroup: it stages B and Cc itself)
+  if constexpr (kOneLaunch) {
     // This (pair, column tile)'s segments: their sums' slots and their blocks' flags.
     const int64_t slot0 = work.pair * p.segments;
     unsigned* const flags = p.lookback + 1 + (block - work.segment);
-    if (work.segment + 1 < p.segments) {
-      // A later segment starts from this one's own sums, B^T Cc: its chunks (all whole: not the
-      // sequence's last segment) walked from the last back to the first, so that the pass
-      // below starts on the chunks read last, their k and v likely still in the L2.
+    if (summed > 0) {  // this segment's own sums, the ring's first chunks
 #pragma unroll
       for (int a = 0; a < kStateAtoms; ++a)
 #pragma unroll
         for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
-      const int64_t last = work.seg_begin + (chunks - 1) * C;
-      Source b_back = stage.source(ops.b_rows(), last, Da);
-      Source c_back = stage.source(ops.c_rows(), last, Dc, m0);
-      auto issue_back = [&](int64_t it, int slot) {
-        if (it < chunks) {
-          stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_back, ops.b_rows().ptr, C);
-          stage.operator()<true>(tile_of(slot, my_c), c_back, ops.c_rows().ptr, C);
-        }
-        StageRing<kDepth>::commit_copies();
-      };
-      sum_chunks<kDepth>(chunks, issue_back, [&](int slot) {  // S += B^T Cc
-        add_bt_times_c<kHalf>(state, tile_of(slot, kAtoms) + my_atoms, tile_of(slot, my_c));
-      });
+      for (int64_t j = 0; j < summed; ++j, ring.advance()) {
+        wait_staged();
+        fence();
+        add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
+        commit();
+        wait<0>();
+        release(j);
+      }
 #pragma unroll
       for (int a = 0; a < kStateAtoms; ++a) {
         store_end(state[a], p.seg_sums + (slot0 + work.segment) * Da * Dc, Da, Dc, row0 + 64 * a, m0);
       }
-      lookback::publish(flags + work.segment);  // (its barrier: every warp's products have read the slots)
+      lookback::publish(flags + work.segment, consumers_sync);
     }
-    lookback::wait_for(flags, work.segment);
+    lookback::wait_for(flags, work.segment, consumers_sync, kConsumers);
 #pragma unroll
     for (int a = 0; a < kStateAtoms; ++a) {
       add_segments_before(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc, row0 + 64 * a, m0);
@@ -908,32 +934,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
-  for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
-  ProducedRing<kDepth> ring(kFull, kBlockThreads);
-  // Chunk it in ring.slot for every consumer (with whatever each wrote to shared memory before:
-  // fence_shared_writes first where that is read by wgmma), and the slot released once the
-  // chunk's products have run (kProducer; without, the next arrive frees it).
-  auto wait_staged = [&] {
-    if constexpr (kProducer) {
-      ring.wait();
-    } else {
-      ring.arrive();
-    }
-  };
-  auto release = [&](int64_t it) {
-    if constexpr (kProducer) ring.release(it, chunks);
-  };
-  // this warpgroup's threads (the readers of its state copy)
-  auto group_sync = [&] { named_sync(kGroupBarrier + group, kThreads); };
   if (state_only) {  // the segment's own B^T Cc alone
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       wait_staged();
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
       commit();
-      issue(it + kDepth - 1, ring.refill());
       wait<0>();
-      release(it);
+      release(it);  // (state-only blocks: no summing walk before)
     }
   } else {
     // Where the copy of the state before a chunk is made: up to two atoms a warpgroup beside the
@@ -955,9 +963,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
       copy.publish_first(state, group_sync);
     }
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      if constexpr (!kCopyBesideScores && kProducer) fence_shared_writes();  // the copy made at the end of the chunk before
+      const int64_t j = summed + it;  // the ring's chunk
+      if constexpr (!kCopyBesideScores) fence_shared_writes();  // the copy made at the end of the chunk before
       wait_staged();  // chunk it staged (and that copy seen)
-      const int next_slot = ring.refill();
       const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
                      ct = tile_of(ring.slot, my_c);
       float score[32], out[32];  // set by their first products (accumulate = false)
@@ -976,7 +984,6 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
         fence();
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
-        issue(it + kDepth - 1, next_slot);
         wait<1>();  // the scores
         uint32_t masked[4][4];
         masked_fragments<kHalf, kReverse>(masked, score);
@@ -1000,7 +1007,6 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
         }
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
-        issue(it + kDepth - 1, next_slot);  // the copies' instructions issue while the tensor cores work
         wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
         if constexpr (!kStateBehindOutputs) {
           copy.scale_back(out);  // (back to S's scale before P Cc)
@@ -1009,7 +1015,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
       }
       if constexpr (!kStateBehindOutputs) {
         wait<0>();
-        release(it);
+        release(j);
       }
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
@@ -1038,7 +1044,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
       }
       if constexpr (kStateBehindOutputs) {
         wait<0>();  // the state's update, before its next copy
-        release(it);
+        release(j);
       }
       if constexpr (!kCopyBesideScores) {
         group_sync();         // every warp's wgmma has read the state copy
@@ -1064,11 +1070,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + (kOneLaunch ? 0 :
 // (mask: the scores of timesteps t >= s kept), dv's products first, then dk's with D's update
 // behind them. q, k, v and dO are staged once a chunk where the two passes staged six tiles; the
 // state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
-// pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (state-only
-// blocks: q and dO, in a deeper ring) as wgmma_product_kernel's, but in one launch's instance,
-// whose one warpgroup stages its own.
+// pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (the walks that
+// only sum: q and dO, in a deeper ring) as wgmma_product_kernel's.
 template <typename scalar_t, bool kOneLaunch = false>  // (kOneLaunch: as wgmma_product_kernel's)
-__global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
+__global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
@@ -1107,69 +1112,72 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
     }
     StageRing<>::commit_copies();
   };
-  // the consumers' own staging: none beside a producer
-  constexpr bool kProducer = !kOneLaunch;
-  auto issue = [&](int64_t it, int slot) {
-    if constexpr (!kProducer) stage_chunk(it, slot);
-  };
 
   // D: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1) in d[4 j ..]; from the segment's start
   // (the sums of the segments after it).
   float d[32];
-  // The walks that sum dO^T Q alone: their deeper ring (sum_depth) of q's and dO's tiles, over
-  // the stage slots and the state copy.
+  // The walks that sum dO^T Q alone (state-only blocks; one launch's, first to last, where the
+  // segment before starts from this one's sums): their deeper ring (sum_depth) of q's and dO's
+  // tiles, over the stage slots and the state copy.
   constexpr int kSumDepth = sum_depth(kStages * 4 + 2, 2);
   auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 2 + which) * kTile; };
-  // named barriers: 1 the consumers', 2 on the produced ring's (the pass's or the sums')
-  constexpr int kConsumersBarrier = 1, kFull = 2, kBlockThreads = kThreads * (kProducer ? 2 : 1);
-  static_assert(kFull + 2 * kSumDepth <= 16, "named barriers");
-  if constexpr (kProducer) {
-    if (threadIdx.x >= kThreads) {  // the producer: the chunks from the last back to the first
-      if (state_only) {
-        ProducedRing<kSumDepth>(kFull, kBlockThreads).produce(chunks, [&](int64_t it, int slot) {
-          if (it < chunks) {
-            const int n = work.chunk_len(chunk_begin(it), C);
-            stage.operator()<true>(sum_tile(slot, 0), q_src, ops.q, n);
-            stage.operator()<true>(sum_tile(slot, 1), dout_src, ops.dout, n);
-          }
-          StageRing<>::commit_copies();
-        });
-      } else {
-        ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk);
-      }
-      return;
+  const bool sums_first = kOneLaunch && work.segment > 0;  // one launch's walk before the pass
+  // named barriers: 1 the consumers', 2 on the produced rings' (the pass's or the sums'), and
+  // kSummed: one launch's walk done with its slots, which the pass's ring takes after it
+  constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kBlockThreads = 2 * kThreads;
+  static_assert(kSummed < 16, "named barriers");
+  if (warpgroup() == 1) {  // the producer (broadcast, as above)
+    auto produce_sums = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
+      ProducedRing<kSumDepth>(kFull, kBlockThreads).produce(chunks, [&](int64_t it, int slot) {
+        if (it < chunks) {
+          const int n = work.chunk_len(chunk_start(it), C);
+          stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
+          stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
+        }
+        StageRing<>::commit_copies();
+      });
+    };
+    if (sums_first) {  // first to last
+      Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
+      produce_sums(q_on, dout_on, [&](int64_t it) { return work.seg_begin + it * C; }, std::false_type{});
+      named_sync(kSummed, kBlockThreads);
     }
+    if (state_only) {  // the chunks from the last back to the first, as the pass's
+      produce_sums(q_src, dout_src, chunk_begin, std::true_type{});
+    } else {
+      ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk);
+    }
+    return;
   }
   auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
-  auto sum_walk = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
-    auto issue_sums = [&](int64_t it, int slot) {
-      if (it < chunks) {
-        const int n = work.chunk_len(chunk_start(it), C);
-        stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
-        stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
-      }
-      StageRing<>::commit_copies();
-    };
-    sum_chunks<kSumDepth>(chunks, issue_sums, [&](int slot) {  // D += dO^T Q
-      add_bt_times_c<kHalf>(d, sum_tile(slot, 1), sum_tile(slot, 0));
-    });
+  // D += dO^T Q over the chunks of a summing walk
+  auto consume_sums = [&] {
+    ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
+    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+      ring.wait();
+      fence();
+      add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));
+      commit();
+      wait<0>();
+      ring.release(it, chunks);
+    }
   };
 
   if constexpr (kOneLaunch) {
     const int64_t slot0 = work.pair * p.segments;
     unsigned* const flags = p.lookback + 1 + (block - work.segment);  // this pair's segments' flags
-    if (work.segment > 0) {
+    if (sums_first) {
       // The segment before it in time starts from this one's own sums, dO^T Q: its chunks walked
       // first to last, so that the pass below (last to first) starts on the chunks read last.
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
-      Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
-      sum_walk(q_on, dout_on, [&](int64_t it) { return work.seg_begin + it * C; }, std::false_type{});
+      consume_sums();
+      named_arrive(kSummed, kBlockThreads);  // (the pass's chunks staged while the flags are awaited)
       store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
-      lookback::publish(flags + work.segment);
+      lookback::publish(flags + work.segment, consumers_sync);
     }
     // from the sums of the segments after it, the last first (the reverse scan's order)
-    lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment);
+    lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment, consumers_sync, kThreads);
     add_segments_before(d, p.seg_sums + (slot0 + p.segments - 1) * M * E, p.segments - 1 - work.segment, -1, M, E);
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
@@ -1179,35 +1187,17 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
     store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
   };
   if (state_only) {  // the segment's own dO^T Q alone
-    if constexpr (kProducer) {
-      ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
-      for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-        ring.wait();
-        fence();
-        add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));  // D += dO^T Q
-        commit();
-        wait<0>();
-        ring.release(it, chunks);
-      }
-    } else {
-      sum_walk(q_src, dout_src, chunk_begin, std::true_type{});
-    }
+    consume_sums();
     store_segment_end();
     return;
   }
   copy.publish_first(copy.rows(d), consumers_sync);
 
   const float factor = float(p.scale);
-  for (int i = 0; i < kStages - 1; ++i) issue(i, i);
   ProducedRing<kStages> ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    if constexpr (kProducer) {
-      fence_shared_writes();  // the state's copy, made at the end of the chunk before
-      ring.wait();
-    } else {
-      ring.arrive();
-    }
-    const int next_slot = ring.refill();
+    fence_shared_writes();  // the state's copy, made at the end of the chunk before
+    ring.wait();
     const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
                    dt = tile_of(ring.slot, 3);
     const int64_t t0 = chunk_begin(it);
@@ -1244,11 +1234,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kOneLaunch ? 1 : 2), 1)
     }
     add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
     commit();
-    issue(it + kStages - 1, next_slot);
     wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
-    auto release = [&] {
-      if constexpr (kProducer) ring.release(it, chunks);
-    };
+    auto release = [&] { ring.release(it, chunks); };
     if constexpr (kHalf) {
       copy.scale_back(acc);
       add_masked_times<kHalf, true>(acc, score, qt);
@@ -1296,9 +1283,11 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
-  // (threadIdx.x / 128, not warpgroup(): broadcast, this kernel's loop took 2631 instructions
-  // where it takes 2410, 143 R2UR where 37, and spilled 60 bytes)
-  const int group = int(threadIdx.x / kThreads);
+  // The warpgroup: bfloat16's broadcast (warpgroup()), so that its chunk loop's descriptors stay in
+  // uniform registers (2716 static instructions -> 2489, 288 R2UR -> 0, sm_90a; dk with dv 6% faster
+  // at E = M = 128 on the H200, RESULTS.md, thirty-second session); float16's threadIdx.x / 128,
+  // where the broadcast spilled into its loop and measured 1-4% slower.
+  const int group = kHalf ? int(threadIdx.x / kThreads) : warpgroup();
   uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + kStagingAt * kTile + group * kStagingBytes);
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingAt * kTile + 2 * kStagingBytes);
   constexpr uint32_t kHalfCopy = 4 * kTile;  // from one half's copy to the other's
