@@ -20,7 +20,12 @@
 #                               # the same benchmark on a baseline tree and on this one: first
 #                               # `rm -rf third_party/base && mkdir third_party/base &&
 #                               # git archive main | tar x -C third_party/base` here (git-ignored,
-#                               # carried with third_party); it is built in place beside this tree
+#                               # carried with third_party); it is built in place beside this tree.
+#                               # AB_ORDER="base this base" (default "base this") runs the trees in
+#                               # that order, a repeat's log numbered (bench_base2.log): the same
+#                               # code's drift between runs beside the two trees' difference (the
+#                               # forward alone moved up to 11% with its loop's SASS unchanged,
+#                               # RESULTS.md, thirty-second session)
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
 #   STAGES="rate" ...           # wgmma's multiply-adds a cycle by N, A's source and shared-memory
@@ -263,14 +268,19 @@ fi
 if has ab; then  # the baseline first (PYTHONPATH puts its package ahead of this tree's editable install)
   finish_warm
   wait "$base_pid" || { echo "ab: the baseline did not build"; tail -20 "$OUT/base_build.log"; exit 1; }
-  for tree in base this; do
-    echo "== $tree"
+  declare -A runs=()
+  for tree in ${AB_ORDER:-base this}; do
+    [[ $tree == base || $tree == this ]] || { echo "ab: AB_ORDER holds base and this, got $tree"; exit 1; }
+    runs[$tree]=$(( ${runs[$tree]:-0} + 1 ))
+    name=$tree
+    if (( runs[$tree] > 1 )); then name+=${runs[$tree]}; fi
+    echo "== $name"
     if [[ $tree == base ]]; then
-      PYTHONPATH="$BASELINE" python benchmarks/benchmark.py --out "$OUT/base" ${BENCH_ARGS:-} >"$OUT/bench_base.log" 2>&1
+      PYTHONPATH="$BASELINE" python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
     else
-      python benchmarks/benchmark.py --out "$OUT/this" ${BENCH_ARGS:-} >"$OUT/bench_this.log" 2>&1
+      python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
     fi
-    grep -E "^(bfloat16|float)|CUDA graph replay|relative error" "$OUT/bench_$tree.log"
+    grep -E "^(bfloat16|float)|CUDA graph replay|relative error" "$OUT/bench_$name.log"
   done
 fi
 if has decode; then
