@@ -466,9 +466,6 @@ __device__ __forceinline__ void publish(unsigned* flag, Sync&& sync) {
   sync();
   if (threadIdx.x == 0) asm volatile("st.release.gpu.global.u32 [%0], %1;\n" ::"l"(flag), "r"(1u) : "memory");
 }
-__device__ __forceinline__ void publish(unsigned* flag) {
-  publish(flag, [] { __syncthreads(); });
-}
 // Until flags[0, n) are raised (acquire), for the whole block: thread i polls flags i, i +
 // blockDim.x, ..., so that the polls' round trips to the L2 overlap (one thread polling them in
 // turn waited n round trips, one after the other, where the flags had long been raised); the
@@ -488,9 +485,6 @@ __device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n, Sync&
     }
   }
   sync();
-}
-__device__ __forceinline__ void wait_for(const unsigned* flags, int64_t n) {
-  wait_for(flags, n, [] { __syncthreads(); }, int(blockDim.x));
 }
 }  // namespace lookback
 
@@ -606,8 +600,7 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
     one.seg_sums = buffer.data_ptr<float>();
     one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums);
     C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
-    one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(
-        one, Da, Dc, col_tiles);
+    one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(one, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;  // (the buffer is the allocator's again after the kernel, in stream order)
   }

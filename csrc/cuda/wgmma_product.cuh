@@ -350,8 +350,7 @@ struct StageRing {
 // consumers' products have read it (they arrive, the producer syncs before refilling it), each
 // barrier of `threads` threads (the producer's and the consumers'). Each chunk's slot is
 // refilled with chunk it + kDepth, so the consumers release only chunks that have one. The
-// consumers' ring (slot: their chunk it's; arrive, refill: where a warpgroup stages its own, as
-// one launch's instances do).
+// consumers' ring (slot: their chunk it's).
 template <int kDepth>
 struct ProducedRing : StageRing<kDepth> {
   int full0, threads;
@@ -396,7 +395,8 @@ __host__ __device__ constexpr int sum_depth(int area, int slot) {
   return area / slot < kMaxSumDepth ? area / slot : kMaxSumDepth;
 }
 
-// A segment's own sums alone, chunk by chunk (a one-launch pass's first walk): issue(it, slot)
+// A segment's own sums alone, chunk by chunk, by a block that stages its own chunks (the wide
+// dk-with-dv kernel's state-only blocks): issue(it, slot)
 // stages chunk it, it = 0, 1, 2, ... in order; add(slot) issues the sums' products on the chunk in
 // `slot`, each chunk's waited for before its slot takes the next.
 template <int kDepth, typename Issue, typename Add>
@@ -889,11 +889,22 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // before and fenced: fence_shared_writes), and the slot released once the chunk's products
   // have run.
   Ring ring(kFull, kBlockThreads);
-  auto wait_staged = [&] { ring.wait(); };
   auto release = [&](int64_t j) { ring.release(j, walked); };
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
   float state[kStateAtoms][32];
+  // S += B^T Cc over the segment's chunks, the ring's first (a state-only block's whole walk, or
+  // one launch's summing walk)
+  auto sum_own_chunks = [&] {
+    for (int64_t j = 0; j < chunks; ++j, ring.advance()) {
+      ring.wait();
+      fence();
+      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));
+      commit();
+      wait<0>();
+      release(j);
+    }
+  };
   if constexpr (kOneLaunch) {
     // This (pair, column tile)'s segments: their sums' slots and their blocks' flags.
     const int64_t slot0 = work.pair * p.segments;
@@ -903,14 +914,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       for (int a = 0; a < kStateAtoms; ++a)
 #pragma unroll
         for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
-      for (int64_t j = 0; j < summed; ++j, ring.advance()) {
-        wait_staged();
-        fence();
-        add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
-        commit();
-        wait<0>();
-        release(j);
-      }
+      sum_own_chunks();  // (summed = chunks)
 #pragma unroll
       for (int a = 0; a < kStateAtoms; ++a) {
         store_end(state[a], p.seg_sums + (slot0 + work.segment) * Da * Dc, Da, Dc, row0 + 64 * a, m0);
@@ -934,15 +938,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
-  if (state_only) {  // the segment's own B^T Cc alone
-    for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      wait_staged();
-      fence();
-      add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));  // S += B^T Cc
-      commit();
-      wait<0>();
-      release(it);  // (state-only blocks: no summing walk before)
-    }
+  if (state_only) {  // the segment's own B^T Cc alone (no summing walk before)
+    sum_own_chunks();
   } else {
     // Where the copy of the state before a chunk is made: up to two atoms a warpgroup beside the
     // chunk's scores (the tensor cores work while the copy's conversion runs; the scores read only
@@ -965,7 +962,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
       if constexpr (!kCopyBesideScores) fence_shared_writes();  // the copy made at the end of the chunk before
-      wait_staged();  // chunk it staged (and that copy seen)
+      ring.wait();  // chunk it staged (and that copy seen)
       const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
                      ct = tile_of(ring.slot, my_c);
       float score[32], out[32];  // set by their first products (accumulate = false)
