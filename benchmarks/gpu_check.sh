@@ -275,11 +275,8 @@ if has ab; then  # the baseline first (PYTHONPATH puts its package ahead of this
     name=$tree
     if (( runs[$tree] > 1 )); then name+=${runs[$tree]}; fi
     echo "== $name"
-    if [[ $tree == base ]]; then
-      PYTHONPATH="$BASELINE" python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
-    else
-      python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
-    fi
+    path=$([[ $tree == base ]] && echo "$BASELINE" || echo "${PYTHONPATH:-}")
+    PYTHONPATH="$path" python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
     grep -E "^(bfloat16|float)|CUDA graph replay|relative error" "$OUT/bench_$name.log"
   done
 fi
