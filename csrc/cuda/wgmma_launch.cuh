@@ -214,7 +214,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const wgmma::ProductLayout layout{atoms, groups};
+  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>};
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;

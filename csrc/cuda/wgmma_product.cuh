@@ -71,21 +71,33 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
 // launch both read. At four atoms on two warpgroups (splits_rows: the state's rows split between
 // them; see wgmma_product_kernel) a slot holds one Cc, each group copies its two atoms, and the
 // second's partial outputs reach the first through kExchangeBytes (64 x 64 float32), where the
-// first's staging rows lie too; otherwise each group its own Cc, copy and staging rows.
+// first's staging rows lie too; otherwise each group its own Cc, copy and staging rows. bfloat16
+// at two atoms on two warpgroups (producer_scores): the producer computes each chunk's masked
+// scores P into a ring of kScoresDepth tiles read by both groups' P Cc, and each group stages its
+// outputs over its copy's first tiles (9 KB of its four: the copy is dead between its A S and the
+// next chunk's copy) where the staging rows were. Measured (RESULTS.md, thirty-third session):
+// there the forward and dq 4-11% faster; float16 there 1-3% slower (its P Cc kept apart from A S
+// until that is scaled back), one atom 1-6% slower, (2, 1) and (1, 2) even.
 constexpr int kExchangeBytes = 64 * 64 * 4;
+constexpr int kScoresDepth = 2;
 struct ProductLayout {
   int atoms, groups;
+  bool half;  // float16 (its state copy scaled), not bfloat16
   __host__ __device__ constexpr bool splits_rows() const { return atoms == 4 && groups == 2; }
   __host__ __device__ constexpr int state_atoms() const { return splits_rows() ? 2 : atoms; }  // a group's
   __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
   __host__ __device__ constexpr int slot_tiles() const { return 2 * atoms + cc_tiles(); }    // A, B, Cc
   __host__ __device__ constexpr int copy_tiles() const { return 2 * state_atoms() * groups; }  // two parts
+  __host__ __device__ constexpr bool producer_scores() const { return atoms == 2 && groups == 2 && !half; }
+  __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
   __host__ __device__ constexpr int staging_bytes() const {
-    return splits_rows() ? kExchangeBytes : groups * kStagingBytes;
+    return splits_rows() ? kExchangeBytes : producer_scores() ? 0 : groups * kStagingBytes;
   }
+  // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
+  // largest |S|
   __host__ __device__ constexpr size_t smem_bytes() const {
-    return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles()) * kTile + staging_bytes() +
-           groups * 4 * sizeof(float);
+    return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles() + scores_tiles()) * kTile +
+           staging_bytes() + groups * 4 * sizeof(float);
   }
 };
 
@@ -348,34 +360,45 @@ struct StageRing {
 // full by named barrier full0 + s once the producer's copies of its chunk have landed (the
 // producer arrives, the consumers sync), and free again by full0 + kDepth + s once the
 // consumers' products have read it (they arrive, the producer syncs before refilling it), each
-// barrier of `threads` threads (the producer's and the consumers'). Each chunk's slot is
-// refilled with chunk it + kDepth, so the consumers release only chunks that have one. The
-// consumers' ring (slot: their chunk it's).
-template <int kDepth>
+// barrier of `threads` threads (the producer's and the consumers'). kReuse: how many chunks on
+// the producer writes over what a chunk's products read (kDepth: its stage slot; fewer where it
+// also writes a shallower ring, as P's), so the consumers release the chunks that have a chunk
+// kReuse on. The consumers' ring (slot: their chunk it's).
+template <int kDepth, int kReuse = kDepth>
 struct ProducedRing : StageRing<kDepth> {
+  static_assert(2 <= kReuse && kReuse <= kDepth, "a chunk's slots outlive its products");
   int full0, threads;
   __device__ ProducedRing(int full0_, int threads_) : full0(full0_), threads(threads_) {}
   // The producer's walk: chunks 0 .. chunks - 1 staged by stage(it, slot), it = 0, 1, 2, ... in
-  // order (one cp.async group each, committed even where it is empty), kDepth - 1 ahead.
-  template <typename Stage>
-  __device__ void produce(int64_t chunks, Stage&& stage) const {
+  // order (one cp.async group each, committed even where it is empty), kDepth - 1 ahead; each
+  // chunk, once this thread's copies have landed (and been fenced for wgmma), passed to
+  // landed(it, slot) (what the producer derives from it, in a ring kReuse chunks deep) before it
+  // is announced.
+  template <typename Stage, typename Landed>
+  __device__ void produce(int64_t chunks, Stage&& stage, Landed&& landed) const {
     for (int i = 0; i < kDepth - 1; ++i) stage(i, i);
     StageRing<kDepth> ring;
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       asm volatile("cp.async.wait_group %0;\n" ::"n"(kDepth - 2) : "memory");  // chunk it, this thread's copies
       fence_shared_writes();
+      landed(it, ring.slot);
       named_arrive(full0 + ring.slot, threads);
-      // chunk it + kDepth - 1 into the slot of chunk it - 1, once the consumers are done with it
-      if (it > 0 && it + kDepth - 1 < chunks) named_sync(full0 + kDepth + ring.refill(), threads);
+      // the consumers done with chunk it - 1: its stage slot takes chunk it + kDepth - 1, its
+      // derived ring's place chunk it - 1 + kReuse
+      if (it > 0 && it + kReuse - 1 < chunks) named_sync(full0 + kDepth + ring.refill(), threads);
       stage(it + kDepth - 1, ring.refill());
     }
+  }
+  template <typename Stage>
+  __device__ void produce(int64_t chunks, Stage&& stage) const {
+    produce(chunks, stage, [](int64_t, int) {});
   }
   // The consumers: chunk it in `slot` for every consumer, seen by wgmma (with whatever each wrote
   // to shared memory before and fenced: fence_shared_writes); the slot released once the
   // chunk's products have run.
   __device__ void wait() const { named_sync(full0 + this->slot, threads); }
   __device__ void release(int64_t it, int64_t chunks) const {
-    if (it + kDepth < chunks) named_arrive(full0 + kDepth + this->slot, threads);
+    if (it + kReuse < chunks) named_arrive(full0 + kDepth + this->slot, threads);
   }
 };
 
@@ -609,9 +632,10 @@ __device__ __forceinline__ void add_bt_times_c(float (&d)[kAtoms][32], uint32_t 
 // (kPart bytes apart), the remainder first (the small terms first), then the head. kAtoms: A's
 // atoms, K = 64 kAtoms: the copy's row blocks (the rows continue 128 bytes apart, so K along its
 // rows steps on as in one atom), or, transposed, its column atoms, next_atom bytes apart (the
-// copies of the state's two column halves).
+// copies of the state's two column halves). onto: d += A S.
 template <bool kHalf, int kTransB, int kAtoms = 1>
-__device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy, uint32_t next_atom = 0) {
+__device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy, uint32_t next_atom = 0,
+                                                 bool onto = false) {
   constexpr uint32_t kPart = StateCopy<kHalf, kAtoms>::kPart;
   auto b = [copy, next_atom](uint32_t part, int s) {
     return kTransB ? k_along_rows(copy, s, part) : k_along_columns(copy, s % 4, part + (s / 4) * next_atom);
@@ -619,12 +643,12 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
   if constexpr (!kHalf) {
 #pragma unroll
     for (int s = 0; s < 4 * kAtoms; ++s) {
-      mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(kPart, s), s > 0);
+      mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(kPart, s), onto || s > 0);
     }
   }
 #pragma unroll
   for (int s = 0; s < 4 * kAtoms; ++s) {
-    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(0, s), !kHalf || s > 0);
+    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(0, s), onto || !kHalf || s > 0);
   }
 }
 
@@ -677,6 +701,23 @@ __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&s
   fence();
   add_fragments_times<kHalf>(d, a, x_tile);
   commit();
+}
+
+// P (masked_fragments: each warp its 16 rows, k-step s in a[s]) into a 64 x 64 tile in the staged
+// layout (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), K-major along its
+// columns as A of P X: by stmatrix, matrix i of k-step s the 8 x 8 block of rows 16 warp + 8 (i %
+// 2) on, columns 16 s + 8 (i / 2) on (StateCopy::publish's mapping, k-step for column group).
+__device__ __forceinline__ void store_fragments(uint32_t tile, const uint32_t (&a)[4][4]) {
+  const int lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
+  const uint32_t row = tile + (16 * group_warp() + 8 * (i % 2) + r) * 128;
+#pragma unroll
+  for (int s = 0; s < 4; ++s) store_matrices(row + (((2 * s + i / 2) ^ r) * 16), a[s]);
+}
+// d (+)= P X, P a staged tile (store_fragments), X a staged tile, MN-major: K along its rows.
+template <bool kHalf>
+__device__ __forceinline__ void tile_times(float (&d)[32], uint32_t p_tile, uint32_t x_tile, bool onto) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 1>(d, k_along_columns(p_tile, s), k_along_rows(x_tile, s), onto || s > 0);
 }
 
 // An accumulator times factor, rounded into this warp's 16 staging rows (kOutStride elements
@@ -753,6 +794,11 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
 // the consumers' chains, which bound the pass (each warp issues its ~720 instructions a chunk one
 // in six cycles, the tensor pipe 53% busy: ncu, RESULTS.md, thirtieth session), keep the products,
 // the state's copy and the outputs, on a ProducedRing whose named barriers start at kFull.
+// bfloat16 at two atoms on two groups (producer_scores): the producer also computes each chunk's
+// masked scores P before it announces the chunk, into a ring of kScoresDepth tiles; the
+// consumers' chains then hold P Cc (from shared memory, running while the state's copy is made),
+// A S and the update, but neither the scores' products nor the mask (the scores once a block,
+// where each group computed them).
 // Registers (kProducerRegisters, kConsumerRegisters): the producer gives back what the consumers
 // take, where the block's share at launch (kLaunchRegisters) is below what they need (two
 // consumer groups: 168 a thread; two blocks a multiprocessor at one atom on one group: 128).
@@ -772,15 +818,20 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
-  constexpr ProductLayout kLayout{kAtoms, kGroups};
+  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf};
   constexpr bool kSplitRows = kLayout.splits_rows();
   constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
   constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
   constexpr int kDepth = stages_for_atoms(kAtoms);
   constexpr int kSlot = kLayout.slot_tiles();  // tiles a stage slot: A, B (kAtoms each), Cc
-  // in tiles: the state copies (two parts of kStateAtoms tiles, a group), then each group's
-  // staging rows (kSplitRows: the partial outputs' exchange, the first group's staging inside it)
-  constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + kLayout.copy_tiles();
+  // the producer computes each chunk's masked scores P into a ring of kScoresDepth tiles (below)
+  constexpr bool kProducerScores = kLayout.producer_scores();
+  static_assert(!kProducerScores || (!kHalf && kGroups == 2), "A S onto P Cc: bfloat16's unscaled copy");
+  // in tiles: the state copies (two parts of kStateAtoms tiles, a group), P's ring, then each
+  // group's staging rows (kSplitRows: the partial outputs' exchange, the first group's staging
+  // inside it; none beside P's ring: each group stages its outputs over its copy's tiles)
+  constexpr int kCopyAt = kDepth * kSlot, kScoresAt = kCopyAt + kLayout.copy_tiles();
+  constexpr int kStagingAt = kScoresAt + kLayout.scores_tiles();
   constexpr int kStagingEnd = kStagingAt * kTile + kLayout.staging_bytes();
   static_assert(kLayout.smem_bytes() <= 227 * 1024, "shared memory of one block");
 
@@ -791,7 +842,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // elements apart, from row 16 w on) inside it
   unsigned char* const staging_at = wgmma_smem + kStagingAt * kTile;
   uint16_t* staging = reinterpret_cast<uint16_t*>(
-      staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp() : group * kStagingBytes));
+      kProducerScores ? wgmma_smem + (kCopyAt + 2 * kStateAtoms * group) * kTile
+                      : staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp()
+                                                 : group * kStagingBytes));
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
   StateCopy<kHalf, kStateAtoms> copy{base + (kCopyAt + 2 * kStateAtoms * group) * kTile, warp_max + 4 * group};
 
@@ -813,9 +866,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   // the producer and its barriers (see above); 1 + warp: kSplitRows' exchange
   constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + kThreads;
-  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups;
-  static_assert(kFull + 2 * kDepth <= 16, "named barriers");
-  using Ring = ProducedRing<kDepth>;
+  // kScoresBarrier: the producer's own (each chunk's copies landed, before its scores)
+  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups, kScoresBarrier = kFull + 2 * kDepth;
+  static_assert(kScoresBarrier < 16, "named barriers");
+  // P's ring lives kScoresDepth chunks: the stage slots are released for it
+  using Ring = ProducedRing<kDepth, kProducerScores ? kScoresDepth : kDepth>;
+  auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kScoresDepth)) * kTile; };
   // One launch (kOneLaunch): where a later segment starts from this one's own sums, B^T Cc, the
   // block first walks its chunks (all whole: not the sequence's last segment) from the last back
   // to the first summing them, so that the pass after starts on the chunks read last, their k and
@@ -865,7 +921,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     // each producer thread's registers and each consumer's, where the launch's share is too few
     constexpr int kLaunchRegisters = 65536 / (kBlockThreads * product_blocks_per_sm(kAtoms, kGroups)) / 8 * 8;
     constexpr bool kReallocate = kLaunchRegisters < 255;
-    constexpr int kProducerRegisters = kGroups == 2 ? 56 : 48, kConsumerRegisters = kGroups == 2 ? 216 : 208;
+    // (the producer's scores: 32 accumulators and 16 fragments more than its copies take)
+    constexpr int kProducerRegisters = kProducerScores ? 88 : kGroups == 2 ? 56 : 48;
+    constexpr int kConsumerRegisters = kProducerScores ? 208 : kGroups == 2 ? 216 : 208;
     static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * kLaunchRegisters,
                   "the block's registers at launch");
     // (warpgroup(), broadcast: a branch the compiler knows each warp takes whole, so that the
@@ -874,7 +932,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     // thirty-second session)
     if (warpgroup() == kGroups) {
       if constexpr (kReallocate) registers_down_to<kProducerRegisters>();
-      Ring(kFull, kBlockThreads).produce(walked, stage_chunk);
+      // The pass's chunk it's masked scores P (every group's: they share A and B) into P's ring,
+      // once every producer thread's copies of it have landed, before it is announced: the
+      // consumers' chains then hold neither the scores' products nor the mask.
+      auto scores = [&](int64_t j, int slot) {
+        if constexpr (kProducerScores) {
+          const int64_t it = j - summed;
+          if (state_only || it < 0) return;
+          named_sync(kScoresBarrier, kThreads);
+          float score[32];
+          fence();
+          scores_of<kHalf, kAtoms>(score, tile_of(slot, 0), tile_of(slot, kAtoms));  // A B^T
+          commit();
+          wait<0>();
+          uint32_t masked[4][4];
+          masked_fragments<kHalf, kReverse>(masked, score);
+          store_fragments(scores_tile(it), masked);
+          fence_shared_writes();
+        }
+      };
+      Ring(kFull, kBlockThreads).produce(walked, stage_chunk, scores);
       return;
     }
     if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
@@ -965,49 +1042,67 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       ring.wait();  // chunk it staged (and that copy seen)
       const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
                      ct = tile_of(ring.slot, my_c);
-      float score[32], out[32];  // set by their first products (accumulate = false)
-      fence();
-      scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
-      commit();
-      if constexpr (kCopyBesideScores) {
+      float out[32];  // set by its first product (accumulate = false)
+      if constexpr (kProducerScores) {
+        // P Cc first (P from the producer), running while the state's copy is made; then A S onto
+        // it, the state's update behind
+        fence();
+        tile_times<kHalf>(out, scores_tile(it), ct, false);  // P Cc
+        commit();
         copy.publish(state);
         fence_shared_writes();
         group_sync();  // the copy seen by every warp's wgmma
-      }
-      if constexpr (kStateAtoms == 4) {
-        // The state's 128 registers leave no room for the scores, A S and P at once (that order
-        // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
-        // and P Cc.
         fence();
+        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at, 0, true);  // A S onto P Cc
+        commit();
         add_bt_times_c<kHalf>(state, bt, ct);
         commit();
-        wait<1>();  // the scores
-        uint32_t masked[4][4];
-        masked_fragments<kHalf, kReverse>(masked, score);
+        wait<1>();  // P Cc and A S; the state's update may still run
+      } else {  // the scores and the mask on this group's chain
+        float score[32];  // set by its first product
         fence();
-        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
-        if constexpr (kHalf) {  // back to S's scale before P Cc adds in
-          commit();
-          wait<0>();
-          copy.scale_back(out);
+        scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
+        commit();
+        if constexpr (kCopyBesideScores) {
+          copy.publish(state);
+          fence_shared_writes();
+          group_sync();  // the copy seen by every warp's wgmma
+        }
+        if constexpr (kStateAtoms == 4) {
+          // The state's 128 registers leave no room for the scores, A S and P at once (that order
+          // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
+          // and P Cc.
           fence();
-        }
-        add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
-        commit();
-      } else {
-        fence();
-        times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
-        commit();
-        if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
-          wait<1>();  // the scores; A S may still run
-          add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
-        }
-        add_bt_times_c<kHalf>(state, bt, ct);
-        commit();
-        wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
-        if constexpr (!kStateBehindOutputs) {
-          copy.scale_back(out);  // (back to S's scale before P Cc)
-          add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+          add_bt_times_c<kHalf>(state, bt, ct);
+          commit();
+          wait<1>();  // the scores
+          uint32_t masked[4][4];
+          masked_fragments<kHalf, kReverse>(masked, score);
+          fence();
+          times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
+          if constexpr (kHalf) {  // back to S's scale before P Cc adds in
+            commit();
+            wait<0>();
+            copy.scale_back(out);
+            fence();
+          }
+          add_fragments_times<kHalf>(out, masked, ct);  // out += P Cc
+          commit();
+        } else {
+          fence();
+          times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
+          commit();
+          if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
+            wait<1>();  // the scores; A S may still run
+            add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
+          }
+          add_bt_times_c<kHalf>(state, bt, ct);
+          commit();
+          wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
+          if constexpr (!kStateBehindOutputs) {
+            copy.scale_back(out);  // (back to S's scale before P Cc)
+            add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+          }
         }
       }
       if constexpr (!kStateBehindOutputs) {
@@ -1037,6 +1132,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
         }
       } else {
+        // (in the copy's tiles: every warp's A S has read the copy)
+        if constexpr (kProducerScores) group_sync();
         store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
       }
       if constexpr (kStateBehindOutputs) {
