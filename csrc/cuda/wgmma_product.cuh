@@ -713,11 +713,11 @@ __device__ __forceinline__ void store_fragments(uint32_t tile, const uint32_t (&
 #pragma unroll
   for (int s = 0; s < 4; ++s) store_matrices(row + (((2 * s + i / 2) ^ r) * 16), a[s]);
 }
-// d (+)= P X, P a staged tile (store_fragments), X a staged tile, MN-major: K along its rows.
+// d = P X, P a staged tile (store_fragments), X a staged tile, MN-major: K along its rows.
 template <bool kHalf>
-__device__ __forceinline__ void tile_times(float (&d)[32], uint32_t p_tile, uint32_t x_tile, bool onto) {
+__device__ __forceinline__ void tile_times(float (&d)[32], uint32_t p_tile, uint32_t x_tile) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 1>(d, k_along_columns(p_tile, s), k_along_rows(x_tile, s), onto || s > 0);
+  for (int s = 0; s < 4; ++s) mma_ss<kHalf, 0, 1>(d, k_along_columns(p_tile, s), k_along_rows(x_tile, s), s > 0);
 }
 
 // An accumulator times factor, rounded into this warp's 16 staging rows (kOutStride elements
@@ -827,6 +827,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // the producer computes each chunk's masked scores P into a ring of kScoresDepth tiles (below)
   constexpr bool kProducerScores = kLayout.producer_scores();
   static_assert(!kProducerScores || (!kHalf && kGroups == 2), "A S onto P Cc: bfloat16's unscaled copy");
+  static_assert(!kProducerScores || !kOneLaunch, "P's ring follows the pass's chunks alone (no summing walk)");
   // in tiles: the state copies (two parts of kStateAtoms tiles, a group), P's ring, then each
   // group's staging rows (kSplitRows: the partial outputs' exchange, the first group's staging
   // inside it; none beside P's ring: each group stages its outputs over its copy's tiles)
@@ -840,13 +841,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   const int group = kGroups == 1 ? 0 : warpgroup();
   // kSplitRows: warp w's part of the exchange is 4 KB at 4096 w, its 16 staging rows (kOutStride
   // elements apart, from row 16 w on) inside it
+  // (kProducerScores: the staging rows over the group's copy)
+  const int copy_tile = kCopyAt + 2 * kStateAtoms * group;  // this group's state copy
   unsigned char* const staging_at = wgmma_smem + kStagingAt * kTile;
   uint16_t* staging = reinterpret_cast<uint16_t*>(
-      kProducerScores ? wgmma_smem + (kCopyAt + 2 * kStateAtoms * group) * kTile
+      kProducerScores ? wgmma_smem + copy_tile * kTile
                       : staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp()
                                                  : group * kStagingBytes));
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
-  StateCopy<kHalf, kStateAtoms> copy{base + (kCopyAt + 2 * kStateAtoms * group) * kTile, warp_max + 4 * group};
+  StateCopy<kHalf, kStateAtoms> copy{base + uint32_t(copy_tile) * kTile, warp_max + 4 * group};
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -935,10 +938,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       // The pass's chunk it's masked scores P (every group's: they share A and B) into P's ring,
       // once every producer thread's copies of it have landed, before it is announced: the
       // consumers' chains then hold neither the scores' products nor the mask.
-      auto scores = [&](int64_t j, int slot) {
+      auto scores = [&](int64_t it, int slot) {
         if constexpr (kProducerScores) {
-          const int64_t it = j - summed;
-          if (state_only || it < 0) return;
+          if (state_only) return;
           named_sync(kScoresBarrier, kThreads);
           float score[32];
           fence();
@@ -1047,7 +1049,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         // P Cc first (P from the producer), running while the state's copy is made; then A S onto
         // it, the state's update behind
         fence();
-        tile_times<kHalf>(out, scores_tile(it), ct, false);  // P Cc
+        tile_times<kHalf>(out, scores_tile(it), ct);  // P Cc
         commit();
         copy.publish(state);
         fence_shared_writes();
