@@ -162,6 +162,8 @@ if has sanitize; then
       log=${rc_file%.rc}.log
       rc=$(cat "$rc_file")
       echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(grep -E "passed|failed|error|no tests ran" "$log" | tail -1)"
+      # a failing run's pytest summary (a failed assertion, no test selected) beside the reports
+      [[ "$rc" != 0 ]] && grep -E "^(E |FAILED|ERROR)|no tests ran|deselected" "$log" | head -12
       status=$(( status | rc ))
     done
   }
@@ -171,6 +173,8 @@ if has sanitize; then
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   # the one-launch segments at E, M up to 64 (KernelParams::lookback: the forward, dk with dv)
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
+  # the forward's one launch at two atoms on two warpgroups (E = M = 128, FAST_CAUSAL_ATTN_ONE_LAUNCH=1)
+  sanitize one_launch_wide "test_one_launch_segments and E128M128 and 3-torch" tests/test_wgmma.py
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)
   sanitize wgmma_wide "test_16_bit_plain and (B1H3L200E24M128 or B2H1L150E96M40) and blhd and (1-wgmma or 3-wgmma)" tests/test_wgmma.py
   # two warpgroups on their own column halves sharing A and B (E = M = 128: two atoms each)
