@@ -572,3 +572,25 @@ def test_float32_unaligned_rows(wgmma, monkeypatch):
     q, k, v = (torch.randn(2, 3, 200, 65, device="cuda")[..., 1:] / 8 for _ in range(3))
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("head", [0, 1, 3, 7])
+@pytest.mark.parametrize("segments,shape", [(2, (1, 2, 1000, 64, 64)), (3, (2, 1, 700, 128, 40)), (4, (1, 2, 700, 128, 128))],
+                         ids=lambda case: str(case) if isinstance(case, int) else shape_id(case))
+def test_float32_state_heads_and_tails(shape, segments, head, monkeypatch):
+    """float32's wgmma state-only launch in heads and tails (KernelParams::state_head: each segment
+    summed by two blocks, the scan adding the two; the launcher's choice where whole segments
+    leave multiprocessors idle, FAST_CAUSAL_ATTN_TC_STATE_HEAD forces heads of N chunks, 0 whole
+    segments). Heads of 1 to 7 chunks of segments of 8 chunks (1000 steps in 2), 4 (700 in 3: the
+    reverse passes' last segment 188 steps, shorter than a head of 3 or 7, its tail empty) or 3
+    (700 in 4), with row and column tiles (E = 128): forward, dq (with heads of 3 from its own
+    segments, not the forward's), dk and dv within float32's 1e-5 of float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", str(segments))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD", str(head))
+    if head == 3:
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda")
+    check_against_reference(q, k, v, scale=0.9, normalize=False, layout="bhld")

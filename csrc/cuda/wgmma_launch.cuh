@@ -102,7 +102,7 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32 of 4: forward
 // 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a multiprocessor:
 // at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
-// 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
+// 4); so does every float32 pass (176 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
 inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
   using wgmma::C;
@@ -275,6 +275,19 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
+  // float32's state-only launch in heads and tails where its blocks would leave multiprocessors
+  // idle (choose_state_head; one block a multiprocessor): 1,16,32768,128 sums its first segment
+  // on 64 blocks (16 pairs x 4 tiles) of 132 in whole segments, on 128 in heads and tails
+  // (RESULTS.md, thirty-fifth session). The 16-bit state-only launch is not short of blocks (its
+  // pass fills the device at 2 blocks a multiprocessor) and measured 2-11% slower with them
+  // (thirty-third session). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
+  // segments) for float32, for measuring.
+  if constexpr (kFloat) {
+    const int64_t segment_chunks = segment_length(p.L, segments, C) / C;
+    int64_t head = count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, multiprocessor_count()) : 0;
+    if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
+    p.state_head = count > 1 && head < segment_chunks ? head * C : 0;
+  }
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));

@@ -13,17 +13,23 @@
 // TF32 wgmma reads its shared-memory operands K-major only (no transposed view, as 16-bit wgmma
 // has), so each product takes its operands as follows:
 //
-//   A B^T     A, B: the staged tiles (K = Da along their columns)
-//   A S       B: the state's copy, written transposed each chunk (S^T: rows m, K = e along them)
+//   A B^T     A: the staged tile's fragments in registers, split there; B: the staged tile
+//             (K = Da along its columns)
+//   A S       A: the same registers; B: the state's copy, written transposed each chunk (S^T:
+//             rows m, K = e along them)
 //   P Cc      A: the masked scores from their accumulators, shuffled into A fragments;
 //             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
-//   B^T Cc    A: B^T, written from the staged B each chunk (rows e, K = time along them); B: Cc^T
+//   B^T Cc    A: B^T's fragments, read transposed from the staged B into registers and split
+//             there; B: Cc^T
 //
-// so every operand but P is a tile the producer writes. 3xTF32 makes each product three: head x
-// head + head x tail + tail x head (tail x tail dropped). A head is the float32 operand as it is
-// (the tensor core ignores its 13 low bits: it truncates to TF32), a tail x - trunc(x) (exact in
-// float32; tensorcore_product.cuh's split), written beside the staged tiles each chunk (A's and
-// B's tails, B^T's, Cc^T's, S^T's) or kept in registers (P's).
+// so every shared-memory operand is a tile the producer writes (or the state's copy). 3xTF32 makes each product three:
+// head x head + head x tail + tail x head (tail x tail dropped). A head is the float32 operand as
+// it is (the tensor core ignores its 13 low bits: it truncates to TF32), a tail x - trunc(x)
+// (exact in float32; tensorcore_product.cuh's split), written beside the staged tiles each chunk
+// (B's tail, Cc^T's, S^T's) or kept in registers (A's, B^T's and P's). The kernel is bound by
+// shared memory's bandwidth (H200 ncu, 1,16,32768,128: L1 76% busy, issue slots 25%, thirty-fifth
+// session): A and B^T in registers spare their products' wgmma reads of them (48 KB a product) and
+// the stores of three derived tiles (A's tail, B^T's head and tail: 48 KB a chunk).
 //
 // The tensor cores add into their accumulators without rounding to nearest: with S accumulated in
 // them, the prototype's error grew with the chunks summed (1.6e-6 at L = 64, 2.2e-5 at 4097, H200,
@@ -34,8 +40,8 @@
 // Tiles are 64 x 64 float32 (16 KB) in wgmma's 128-byte swizzle: two atoms of 32 columns, 8 KB
 // apart; element (r, c) of an atom at 128 r + 16 ((c / 4) ^ (r % 8)) + 4 (c % 4) bytes; a k8 step
 // moves the start address 32 bytes. Shared memory: A, B and Cc staged two chunks deep by cp.async
-// (96 KB: the next chunk's copies run behind this chunk's products), the eight derived tiles (128
-// KB): 224 KB, one block a multiprocessor.
+// (96 KB: the next chunk's copies run behind this chunk's products), the five derived tiles (80
+// KB): 176 KB, one block a multiprocessor.
 //
 // A block holds 64 of the state's rows (Da: a's and b's columns) and 64 of its columns (Dc). Wider
 // states run in column tiles (each block its own outputs) and, up to 256 rows, in up to four row
@@ -62,7 +68,7 @@ constexpr int kThreads = 128;       // a warpgroup (a block: the producer's and 
 constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
 constexpr int kDepth = 2;           // chunks staged
 // Tiles: stage slot s holds A, B and Cc at 3 s, 3 s + 1, 3 s + 2; then the derived tiles.
-enum Tiles : int { kATail = 3 * kDepth, kBTail, kBtHead, kBtTail, kCtHead, kCtTail, kStHead, kStTail, kTileCount };
+enum Tiles : int { kBTail = 3 * kDepth, kCtHead, kCtTail, kStHead, kStTail, kTileCount };
 constexpr size_t kSmemBytes = size_t(kTileCount) * kTile;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 
@@ -214,10 +220,12 @@ struct Stager {
 //  - the consumer (warpgroup 0) runs the products: A B^T and A S (the first batch), builds P, then
 //    P Cc and the state's sums (the second), writes the outputs and adds the sums to S;
 //  - the producer (warpgroup 1) stages the raw chunks (cp.async, two slots) and writes the derived
-//    tiles: A's and B's tails once the consumer's first batch of the chunk before has run (kAbFree),
-//    B^T and Cc^T (heads and tails) once its second has (kTFree); so the next chunk's tiles are
-//    written while this chunk's products run. Each set is announced by its own barrier (kAbFull,
-//    kTFull: named barriers of both warpgroups, the producer arriving, the consumer waiting).
+//    tiles: B's tail once the consumer's first batch of the chunk before has run (kAbFree), Cc^T
+//    (head and tail) and the next chunk's copies into that chunk's slot once its second batch
+//    has (kTFree: the second batch reads the staged B, into B^T's registers); so the next chunk's
+//    tiles are written while this chunk's products run. Each set is announced by its own barrier
+//    (kAbFull for the first batch, kTFull for the second: named barriers of both warpgroups, the
+//    producer arriving, the consumer waiting).
 template <Pass P, bool kSplit>
 __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -281,32 +289,30 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     issue(0);
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth);
-      // The slot of chunk it - 1 takes chunk it + 1 once the consumer's first batch has read its
-      // A and B and every thread here has transposed its B and Cc (the barrier holds both; in
-      // state-only blocks, which read no A, this warpgroup's own).
-      if (it > 0 && state_only) named_sync(kProducers, kThreads);
+      // B's tail tile takes chunk it's once the consumer's first batch of chunk it - 1 has run
+      // (kAbFree), so that the tail is ready for this chunk's first batch while the consumer
+      // still runs the second batch of the chunk before; the slot of chunk it - 1 takes chunk
+      // it + 1 only once the consumer has run that second batch too (kTFree below: it reads B
+      // into B^T's registers there).
       if (it > 0 && !state_only) named_sync(kAbFree);
-      issue(it + 1);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");  // chunk it, this thread's copies
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
       named_sync(kProducers, kThreads);                        // every thread's
-      if (!state_only) {  // A's and B's tails, in their heads' places
+      if (!state_only) {  // B's tail, in its head's places (A's: the consumer's, in registers)
         if constexpr (kSplit) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const uint32_t offset = stage.piece0 + 1024 * i;
-#pragma unroll
-            for (int which = 0; which < 2; ++which) {
-              const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * slot + which) * kTile + offset);
-              *reinterpret_cast<float4*>(wgmma_smem + (kATail + which) * kTile + offset) =
-                  make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
-            }
+            const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * slot + 1) * kTile + offset);
+            *reinterpret_cast<float4*>(wgmma_smem + kBTail * kTile + offset) =
+                make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
           }
         }
         wgmma::fence_shared_writes();  // (the cp.async copies and the tails, to wgmma)
         named_arrive(kAbFull);
       }
-      if (it > 0) named_sync(kTFree);  // the consumer's second batch has read B^T and Cc^T
-      transpose(3 * slot + 1, kBtHead, kBtTail);
+      // the consumer has run chunk it - 1 (and every thread here transposed its Cc: kTFull before)
+      if (it > 0) named_sync(kTFree);
+      issue(it + 1);
       transpose(3 * slot + 2, kCtHead, kCtTail);
       wgmma::fence_shared_writes();
       named_arrive(kTFull);
@@ -330,7 +336,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     wgmma::fence_shared_writes();
     named_sync(kConsumers, kThreads);
   };
-  {
+  if (!state_only) {  // (a state-only block keeps its sums in registers: below)
     float start[32];  // the segment's start
     wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, work.k0, work.m0);
 #pragma unroll
@@ -352,31 +358,54 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     }
     publish();
   };
-  const auto state_sums = [&](float (&sums)[32]) {  // B^T Cc
-    times<kSplit>(sums, TileOperand{tile(kBtHead), tile(kBtTail)}, tile(kCtHead), tile(kCtTail), false);
-  };
   if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
+    // No A S reads the state here: it stays in registers, each chunk's sums added in float32 as
+    // add_to_state adds them (the same roundings), without S^T's stores, loads and barrier (a
+    // third of this launch's shared-memory stores), and is written as the segment's end below.
+    float total[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) total[i] = 0.f;  // (a state-only block starts from zero: load_start)
     for (int64_t it = 0; it < chunks; ++it) {
       float sums[32];
       named_sync(kTFull);
+      // B^T's fragments read from the staged B (row e = 16 warp + g, + 8 of the transpose; its
+      // columns, time 8 s + q4, + 4), split here: the producer writes no B^T tiles for them
+      SplitFragments bf;
+      const int slot = int(it % kDepth);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int h = 0; h < 4; ++h) bf.set(s, h, word(3 * slot + 1, 8 * s + q4 + 4 * (h / 2), 16 * warp + g + 8 * (h % 2)));
       fence();
-      state_sums(sums);
+      times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
       commit();
       wait<0>();
       if (it + 1 < chunks) named_arrive(kTFree);
-      add_to_state(sums);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) total[i] += sums[i];
     }
+    wgmma::store_end(total, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
+                     Da, Dc, work.k0, work.m0);
+    return;
   }
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
   for (int64_t it = 0; it < (state_only ? 0 : chunks); ++it) {
     const bool more = it + 1 < chunks;  // the producer waits for this chunk's reads to end
-    const uint32_t at = tile(3 * int(it % kDepth)), bt = at + kTile;
+    const int slot = int(it % kDepth);
+    const uint32_t bt = tile(3 * slot + 1);
     // score, out and the state's sums (see the file's comment): set by their first products
     float score[32], out[32], sums[32];
     named_sync(kAbFull);
+    // A's fragments (rows 16 warp + g, + 8; columns 8 s + q4, + 4: each warp's 32 loads a k-step
+    // on 32 banks), split into heads and tails here
+    SplitFragments af;
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int h = 0; h < 4; ++h) af.set(s, h, word(3 * slot, 16 * warp + g + 8 * (h % 2), 8 * s + q4 + 4 * (h / 2)));
     fence();
-    times<kSplit>(score, TileOperand{at, tile(kATail)}, bt, tile(kBTail), false);            // A B^T
-    times<kSplit>(out, TileOperand{at, tile(kATail)}, tile(kStHead), tile(kStTail), false);  // A S
+    times<kSplit>(score, RegisterOperand{af}, bt, tile(kBTail), false);                 // A B^T
+    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), false);       // A S
     commit();
     wait<0>();
     if (more) named_arrive(kAbFree);
@@ -401,9 +430,14 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
         pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
       }
     named_sync(kTFull);
+    SplitFragments bf;
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int h = 0; h < 4; ++h) bf.set(s, h, word(3 * slot + 1, 8 * s + q4 + 4 * (h / 2), 16 * warp + g + 8 * (h % 2)));
     fence();
     times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
-    state_sums(sums);
+    times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
     commit();
     wait<0>();
     if (more) named_arrive(kTFree);
