@@ -13,6 +13,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "../causal_attn.h"
 #include "../ops.h"
@@ -291,6 +292,18 @@ inline int64_t choose_state_head(int64_t tiles, int64_t segments, int64_t chunks
     if (heads <= (slots - heads) * (head / (chunks - head))) return head;
   }
   return 0;
+}
+
+// KernelParams::state_head, in steps, for a state-only launch of `tiles` blocks a segment, `count`
+// segments of `segment_chunks` chunks of `step` steps and `slots` resident blocks: where its
+// launcher measured heads to pay (`heads`), choose_state_head's, else whole segments (0); a head
+// as long as the segment is none. FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0:
+// whole segments), for measuring. (One segment: SegmentWorkspace::make clears it.)
+inline int64_t state_head_steps(bool heads, int64_t tiles, int64_t count, int64_t segment_chunks, int64_t slots,
+                                int64_t step) {
+  int64_t head = heads && count > 1 ? choose_state_head(tiles, count - 1, segment_chunks, slots) : 0;
+  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
+  return head < segment_chunks ? head * step : 0;
 }
 
 // Timesteps per segment when `segments` share L in multiples of `step`. A function of the segment

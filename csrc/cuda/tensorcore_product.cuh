@@ -1195,9 +1195,7 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   // measured 0-2% slower with them (bf16 8,16,2048,64 0.086 / 0.268 -> 0.087 / 0.270, 1,16,32768,128
   // 0.442 / 1.628 -> 0.450 / 1.649): whole segments. FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads
   // of N chunks (0: whole segments) for any dtype, for measuring.
-  int64_t head = sizeof(scalar_t) == 4 && count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, slots) : 0;
-  if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
-  p.state_head = head < segment_chunks ? head * C : 0;
+  p.state_head = state_head_steps(sizeof(scalar_t) == 4, blocks, count, segment_chunks, slots, C);
   const SegmentWorkspace workspace = SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc);
   launch_segmented<P>(kernel, p, workspace, pairs * col_tiles * p.segments, kThreads, smem, stream, Da, Dc, col_tiles);
   if constexpr (P == Pass::Forward) {

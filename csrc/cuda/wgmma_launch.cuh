@@ -283,10 +283,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // (thirty-third session). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
   // segments) for float32, for measuring.
   if constexpr (kFloat) {
-    const int64_t segment_chunks = segment_length(p.L, segments, C) / C;
-    int64_t head = count > 1 ? choose_state_head(blocks, count - 1, segment_chunks, multiprocessor_count()) : 0;
-    if (const char* forced = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_HEAD")) head = std::max<int64_t>(std::atoll(forced), 0);
-    p.state_head = count > 1 && head < segment_chunks ? head * C : 0;
+    p.state_head = state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
   }
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =

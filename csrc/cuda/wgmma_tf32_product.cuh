@@ -22,11 +22,11 @@
 //   B^T Cc    A: B^T's fragments, read transposed from the staged B into registers and split
 //             there; B: Cc^T
 //
-// so every shared-memory operand is a tile the producer writes (or the state's copy). 3xTF32 makes each product three:
-// head x head + head x tail + tail x head (tail x tail dropped). A head is the float32 operand as
-// it is (the tensor core ignores its 13 low bits: it truncates to TF32), a tail x - trunc(x)
-// (exact in float32; tensorcore_product.cuh's split), written beside the staged tiles each chunk
-// (B's tail, Cc^T's, S^T's) or kept in registers (A's, B^T's and P's). The kernel is bound by
+// so every shared-memory operand is a tile the producer writes (or the state's copy). 3xTF32
+// makes each product three: head x head + head x tail + tail x head (tail x tail dropped). A head
+// is the float32 operand as it is (the tensor core ignores its 13 low bits: it truncates to TF32),
+// a tail x - trunc(x) (exact in float32; tensorcore_product.cuh's split), written beside the
+// staged tiles each chunk (B's tail, Cc^T's, S^T's) or kept in registers (A's, B^T's and P's). The kernel is bound by
 // shared memory's bandwidth (H200 ncu, 1,16,32768,128: L1 76% busy, issue slots 25%, thirty-fifth
 // session): A and B^T in registers spare their products' wgmma reads of them (48 KB a product) and
 // the stores of three derived tiles (A's tail, B^T's head and tail: 48 KB a chunk).
@@ -336,9 +336,25 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     wgmma::fence_shared_writes();
     named_sync(kConsumers, kThreads);
   };
+  // A fragments of staged tile `which` (its rows 16 warp + g, + 8 and columns 8 s + q4, + 4 of
+  // k-step s; of its transpose where `transposed`), split into heads and tails here. Each warp's
+  // 32 loads of a k-step fall on 32 banks untransposed, on 16 (two ways) transposed.
+  auto staged_fragments = [&](SplitFragments& f, int which, bool transposed) {
+#pragma unroll
+    for (int s = 0; s < 8; ++s)
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const int r = 16 * warp + g + 8 * (h % 2), c = 8 * s + q4 + 4 * (h / 2);
+        f.set(s, h, transposed ? word(which, c, r) : word(which, r, c));
+      }
+  };
+  auto store_segment_end = [&](const float (&end)[32]) {
+    wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
+                     Da, Dc, work.k0, work.m0);
+  };
   if (!state_only) {  // (a state-only block keeps its sums in registers: below)
     float start[32];  // the segment's start
-    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, state_only, work.k0, work.m0);
+    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0, work.m0);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       state(i) = start[i];
@@ -368,14 +384,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     for (int64_t it = 0; it < chunks; ++it) {
       float sums[32];
       named_sync(kTFull);
-      // B^T's fragments read from the staged B (row e = 16 warp + g, + 8 of the transpose; its
-      // columns, time 8 s + q4, + 4), split here: the producer writes no B^T tiles for them
-      SplitFragments bf;
-      const int slot = int(it % kDepth);
-#pragma unroll
-      for (int s = 0; s < 8; ++s)
-#pragma unroll
-        for (int h = 0; h < 4; ++h) bf.set(s, h, word(3 * slot + 1, 8 * s + q4 + 4 * (h / 2), 16 * warp + g + 8 * (h % 2)));
+      SplitFragments bf;  // B^T's, from the staged B: the producer writes no B^T tiles for them
+      staged_fragments(bf, 3 * int(it % kDepth) + 1, true);
       fence();
       times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
       commit();
@@ -384,25 +394,19 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) total[i] += sums[i];
     }
-    wgmma::store_end(total, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
-                     Da, Dc, work.k0, work.m0);
+    store_segment_end(total);
     return;
   }
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
-  for (int64_t it = 0; it < (state_only ? 0 : chunks); ++it) {
+  for (int64_t it = 0; it < chunks; ++it) {
     const bool more = it + 1 < chunks;  // the producer waits for this chunk's reads to end
     const int slot = int(it % kDepth);
     const uint32_t bt = tile(3 * slot + 1);
     // score, out and the state's sums (see the file's comment): set by their first products
     float score[32], out[32], sums[32];
     named_sync(kAbFull);
-    // A's fragments (rows 16 warp + g, + 8; columns 8 s + q4, + 4: each warp's 32 loads a k-step
-    // on 32 banks), split into heads and tails here
     SplitFragments af;
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int h = 0; h < 4; ++h) af.set(s, h, word(3 * slot, 16 * warp + g + 8 * (h % 2), 8 * s + q4 + 4 * (h / 2)));
+    staged_fragments(af, 3 * slot, false);
     fence();
     times<kSplit>(score, RegisterOperand{af}, bt, tile(kBTail), false);                 // A B^T
     times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), false);       // A S
@@ -431,10 +435,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
       }
     named_sync(kTFull);
     SplitFragments bf;
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int h = 0; h < 4; ++h) bf.set(s, h, word(3 * slot + 1, 8 * s + q4 + 4 * (h / 2), 16 * warp + g + 8 * (h % 2)));
+    staged_fragments(bf, 3 * slot + 1, true);
     fence();
     times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
     times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
@@ -466,8 +467,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   float end[32];
 #pragma unroll
   for (int i = 0; i < 32; ++i) end[i] = state(i);
-  wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
-                   Da, Dc, work.k0, work.m0);
+  store_segment_end(end);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
