@@ -35,12 +35,37 @@ class _Clone(torch.autograd.Function):
 
 def baselines(v, dout, iters):
     """The host's ms per call of what any autograd call on these tensors costs: a builtin op and
-    its backward (one launch each, no Python in the backward), and a Python Function (its backward
+    its backward (one launch each, no Python in the backward), a builtin of three differentiable
+    inputs (addcmul: the gradients of three leaves, as ours), and a Python Function (its backward
     runs Python on autograd's device thread), each through torch.autograd.grad as the timed calls."""
     leaf = v.detach().requires_grad_()
     builtin = host_ms(lambda: torch.autograd.grad(leaf * 2.0, [leaf], dout), iters)
+    three = three_leaves(v, dout)
+    builtin3 = host_ms(three, iters)
     python = host_ms(lambda: torch.autograd.grad(_Clone.apply(leaf), [leaf], dout), iters)
-    return builtin, python
+    return builtin, builtin3, python
+
+
+def three_leaves(v, dout):
+    """fwd+bwd of addcmul over three leaves of v's shape: what a builtin of three inputs costs."""
+    leaves = [v.detach().clone().requires_grad_() for _ in range(3)]
+    return lambda: torch.autograd.grad(torch.addcmul(*leaves), leaves, dout)
+
+
+def profiled(fn, iters, top, title):
+    """The CPU events of iters calls of fn under torch's profiler, by self time, per call."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    print(f"  {'self us/call':>12} {'total us/call':>13} {'calls/call':>10}  CPU event ({title}, profiled)")
+    for e in events[:top]:
+        print(f"  {e.self_cpu_time_total / iters:12.1f} {e.cpu_time_total / iters:13.1f} "
+              f"{e.count / iters:10.1f}  {e.key[:90]}")
 
 
 def op_times(q, k, v, dout, iters):
@@ -64,6 +89,7 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--baseline-profile", action="store_true", help="also profile the three-leaf builtin")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     for shape in args.shapes.split(";"):
@@ -84,24 +110,15 @@ def main():
         print(f"\n{args.dtype} {B},{H},{L},{E},{M}: host ms per call: forward "
               f"{host_ms(forward, args.iters):.3f}, forward with autograd {host_ms(forward_with_graph, args.iters):.3f}, "
               f"forward+backward {host_ms(forward_backward, args.iters):.3f}")
-        builtin, python = baselines(v, dout, args.iters)
-        print(f"  baselines, fwd+bwd host ms per call: builtin op {builtin:.3f}, Python Function {python:.3f}")
+        builtin, builtin3, python = baselines(v, dout, args.iters)
+        print(f"  baselines, fwd+bwd host ms per call: builtin op {builtin:.3f}, builtin of three leaves "
+              f"(addcmul) {builtin3:.3f}, Python Function {python:.3f}")
         forward_op, backward_op, attention_op = op_times(q, k, v, dout, args.iters)
         print(f"  the ops alone, host ms per call: forward {forward_op:.3f}, backward {backward_op:.3f}, "
               f"attention (forward with its autograd node) {attention_op:.3f}")
-        forward_backward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                forward_backward()
-            torch.cuda.synchronize()
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
-        events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
-        print(f"  {'self us/call':>12} {'total us/call':>13} {'calls/call':>10}  CPU event (forward+backward, profiled)")
-        for e in events[: args.top]:
-            print(f"  {e.self_cpu_time_total / args.iters:12.1f} {e.cpu_time_total / args.iters:13.1f} "
-                  f"{e.count / args.iters:10.1f}  {e.key[:90]}")
-
+        profiled(forward_backward, args.iters, args.top, "forward+backward")
+        if args.baseline_profile:
+            profiled(three_leaves(v, dout), args.iters, args.top, "addcmul's forward+backward")
 
 if __name__ == "__main__":
     main()
