@@ -12,6 +12,7 @@
 #   STAGES="build bench" BENCH_ARGS="--no-peers --sweep FAST_CAUSAL_ATTN_SEGMENTS=1,2,3 --methods segments" ...
 #                               # the default path at each value of a switch
 #   STAGES="build host" ...     # where the host's time to issue a call goes (benchmarks/host_profile.py)
+#                               # and whether it waits for the GPU (host_sync.py)
 #   STAGES="build launches" LAUNCHES="1 16 32768 128 128 bwd bfloat16" ...
 #                               # each launch's duration, DRAM bytes and tensor-pipe use (ncu), the default path
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
@@ -237,6 +238,8 @@ fi
 if has host; then  # the host's time to issue a call, by op and CUDA runtime call
   finish_warm
   python benchmarks/host_profile.py ${HOST_ARGS:-} 2>&1 | tee "$OUT/host_profile.log"
+  # and whether any piece of a call waits for the GPU (HOST_SYNC_ARGS: host_sync.py's)
+  (cd benchmarks && python host_sync.py ${HOST_SYNC_ARGS:-}) 2>&1 | tee "$OUT/host_sync.log"
 fi
 
 if has anatomy; then  # fla autotunes in the timing run first: under ncu its autotuning launches
