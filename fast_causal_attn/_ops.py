@@ -2,6 +2,7 @@
 import collections
 
 import torch
+from torch.autograd import forward_ad
 
 from . import _C  # loads the library (its static initializers register the ops); plan_forward_segments
 
@@ -126,10 +127,25 @@ def _keep_segments(q, v):
     return not torch.compiler.is_compiling() or _static_shapes(q, v)
 
 
+def _refuse_tangents(**tensors):
+    """Forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) has no rule in the ops: their
+    outputs would carry no tangent, a zero derivative given silently. Tangents exist only inside a
+    dual level (forward_ad._current_level >= 0; torch.func.jvp enters one), so outside it this is
+    one read of a module global."""
+    if forward_ad._current_level < 0:
+        return
+    for name, t in tensors.items():
+        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+            raise RuntimeError(f"fast_causal_attn: forward-mode AD (torch.func.jvp, torch.autograd.forward_ad) is "
+                               f"not supported: {name} carries a tangent. Reverse mode (backward, "
+                               f"torch.autograd.grad) is.")
+
+
 def attend(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normalize, eps, layout, return_final_state):
     """(out, final_kv, final_k_sum): through the differentiable op where a gradient can flow,
     else the forward op alone (one dispatch fewer: a decoding step's latency at small batch).
     The final state is empty without return_final_state."""
+    _refuse_tangents(q=q, k=k, v=v, initial_kv=initial_kv, initial_k_sum=initial_k_sum)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
                                     (initial_kv is not None and initial_kv.requires_grad) or
                                     (initial_k_sum is not None and initial_k_sum.requires_grad)):

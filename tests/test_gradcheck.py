@@ -72,3 +72,43 @@ def test_second_derivative_is_refused(device):
     assert all(g.requires_grad for g in with_graph)
     with pytest.raises(RuntimeError, match="the backward is not differentiable"):
         torch.autograd.grad(with_graph[0].sum(), q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["q", "k", "v", "initial_kv", "initial_k_sum"])
+def test_forward_mode_ad_is_refused(name, device):
+    """A tangent on any input raises: the ops have no forward-mode rule, and their outputs would
+    otherwise carry none (a zero derivative, silently)."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
+    kv0, k_sum0 = (x.to(device) for x in make_state(1, 2, 4, 3, torch.float64, False))
+    inputs = dict(q=q, k=k, v=v, initial_kv=kv0, initial_k_sum=k_sum0)
+    with fwAD.dual_level():
+        inputs[name] = fwAD.make_dual(inputs[name], torch.randn_like(inputs[name]))
+        with pytest.raises(RuntimeError, match=f"forward-mode AD .* is not supported: {name} carries a tangent"):
+            fast_causal_attn.causal_linear_attention(
+                inputs["q"], inputs["k"], inputs["v"],
+                initial_state=fast_causal_attn.State(inputs["initial_kv"], inputs["initial_k_sum"]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_func_jvp_is_refused(device):
+    q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
+    tangents = tuple(torch.randn_like(x) for x in (q, k, v))
+    with pytest.raises(RuntimeError, match="forward-mode AD .* is not supported: q carries a tangent"):
+        torch.func.jvp(fast_causal_attn.causal_dot_product, (q, k, v), tangents)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dual_level_without_tangents_runs(device):
+    """Inside a dual level, inputs without tangents (the tangent on another tensor) run as outside."""
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
+    expected = fast_causal_attn.causal_dot_product(q, k, v)
+    with fwAD.dual_level():
+        other = fwAD.make_dual(torch.zeros(3, device=device), torch.ones(3, device=device))
+        out = fast_causal_attn.causal_dot_product(q, k, v) + other.sum()
+        assert fwAD.unpack_dual(out).tangent is not None  # the other tensor's, through the sum
+    torch.testing.assert_close(fwAD.unpack_dual(out).primal, expected, rtol=0, atol=0)
