@@ -52,7 +52,8 @@ def causal_linear_attention(q, k, v, *, scale=1.0, normalize=False, eps=1e-6, la
     Returns:
         The output, in the inputs' layout and dtype: [B, H, L, M] or [B, L, H, M]; with
         return_final_state, ``(out, State(kv, k_sum))``. float16 and bfloat16 inputs accumulate in
-        float32, float64 in float64. Differentiable in q, k, v and the initial state; processing a
+        float32, float64 in float64. Differentiable in q, k, v and the initial state, in reverse and
+        forward mode (torch.func.jvp); processing a
         sequence in pieces, each from the previous piece's final state, gives what processing it
         whole gives.
     """

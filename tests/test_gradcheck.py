@@ -4,7 +4,7 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICES
-from reference import make_inputs, make_state
+from reference import make_inputs, make_state, reference_with_state, relative_error
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -74,30 +74,116 @@ def test_second_derivative_is_refused(device):
         torch.autograd.grad(with_graph[0].sum(), q)
 
 
+# Forward mode (torch.func.jvp, torch.autograd.forward_ad): the tangents against those of the
+# float64 reference (plain torch ops, which torch differentiates in forward mode itself).
+STATE_NAMES = ("q", "k", "v", "initial_kv", "initial_k_sum")
+
+
+def _forward_mode_case(device, normalize, layout="bhld", dtype=torch.float64):
+    q, k, v = make_inputs(2, 3, 70, 5, 4, dtype=dtype, device=device, layout=layout, normalize=normalize)
+    if normalize:  # the normalizer away from zero, as in test_gradcheck
+        q, k = q + 0.1, k + 0.1
+    kv0, k_sum0 = (x.to(device) for x in make_state(2, 3, 5, 4, torch.float64, normalize))
+    return dict(zip(STATE_NAMES, (q, k, v, kv0, k_sum0)))
+
+
+def _with_state(fn, normalize, layout):
+    """(out, final kv, final k_sum) of q, k, v and the initial state, through ours or the reference."""
+    def ours(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(
+            q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=fast_causal_attn.State(kv0, k_sum0),
+            return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    def reference(q, k, v, kv0, k_sum0):
+        return reference_with_state(q, k, v, (kv0, k_sum0), scale=0.7, normalize=normalize, layout=layout)
+
+    return ours if fn == "ours" else reference
+
+
+def _assert_tangents_close(ours, expected, rtol):
+    for name, a, b in zip(("out", "final kv", "final k_sum"), ours, expected):
+        assert a is not None, name
+        scale = b.abs().max().clamp_min(1e-300)
+        assert ((a.cpu().double() - b.double()).abs().max() / scale).item() <= rtol, name
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("name", ["q", "k", "v", "initial_kv", "initial_k_sum"])
-def test_forward_mode_ad_is_refused(name, device):
-    """A tangent on any input raises: the ops have no forward-mode rule, and their outputs would
-    otherwise carry none (a zero derivative, silently)."""
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_func_jvp_matches_reference(layout, normalize, device):
+    inputs = _forward_mode_case(device, normalize, layout)
+    primals = tuple(inputs.values())
+    tangents = tuple(torch.randn_like(x) for x in primals)
+    out, ours = torch.func.jvp(_with_state("ours", normalize, layout), primals, tangents)
+    ref_out, expected = torch.func.jvp(_with_state("reference", normalize, layout), tuple(x.cpu() for x in primals),
+                                       tuple(t.cpu() for t in tangents))
+    torch.testing.assert_close(out[0].cpu(), ref_out[0], rtol=1e-10, atol=1e-12)
+    _assert_tangents_close(ours, expected, rtol=1e-10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("name", STATE_NAMES)
+def test_forward_ad_tangent_on_one_input(name, normalize, device):
+    """One input dual, the others plain (their tangents absent, not zero): each product skipped."""
     import torch.autograd.forward_ad as fwAD
 
-    q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
-    kv0, k_sum0 = (x.to(device) for x in make_state(1, 2, 4, 3, torch.float64, False))
-    inputs = dict(q=q, k=k, v=v, initial_kv=kv0, initial_k_sum=k_sum0)
+    inputs = _forward_mode_case(device, normalize)
+    tangent = torch.randn_like(inputs[name])
     with fwAD.dual_level():
-        inputs[name] = fwAD.make_dual(inputs[name], torch.randn_like(inputs[name]))
-        with pytest.raises(RuntimeError, match=f"forward-mode AD .* is not supported: {name} carries a tangent"):
-            fast_causal_attn.causal_linear_attention(
-                inputs["q"], inputs["k"], inputs["v"],
-                initial_state=fast_causal_attn.State(inputs["initial_kv"], inputs["initial_k_sum"]))
+        duals = dict(inputs, **{name: fwAD.make_dual(inputs[name], tangent)})
+        ours = [fwAD.unpack_dual(x).tangent for x in _with_state("ours", normalize, "bhld")(*duals.values())]
+    zero_elsewhere = tuple(tangent.cpu() if n == name else torch.zeros_like(x.cpu()) for n, x in inputs.items())
+    _, expected = torch.func.jvp(_with_state("reference", normalize, "bhld"),
+                                 tuple(x.cpu() for x in inputs.values()), zero_elsewhere)
+    _assert_tangents_close(ours, expected, rtol=1e-10)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_func_jvp_is_refused(device):
-    q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_forward_ad_packed_sequences(normalize, device):
+    """cu_seqlens: each sequence's tangent is its own, as if it ran alone."""
+    lengths = [5, 0, 40, 1]
+    q, k, v = make_inputs(1, 2, sum(lengths), 4, 3, dtype=torch.float64, device=device, normalize=normalize)
+    if normalize:
+        q, k = q + 0.1, k + 0.1
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device)
     tangents = tuple(torch.randn_like(x) for x in (q, k, v))
-    with pytest.raises(RuntimeError, match="forward-mode AD .* is not supported: q carries a tangent"):
-        torch.func.jvp(fast_causal_attn.causal_dot_product, (q, k, v), tangents)
+
+    def packed(q, k, v):
+        return fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, cu_seqlens=cu)
+
+    def alone(q, k, v):
+        return reference_with_state(q, k, v, normalize=normalize)[0]
+
+    _, ours = torch.func.jvp(packed, (q, k, v), tangents)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        piece = tuple(x[:, :, start:end].cpu() for x in (q, k, v))
+        _, expected = torch.func.jvp(alone, piece, tuple(t[:, :, start:end].cpu() for t in tangents))
+        torch.testing.assert_close(ours[:, :, start:end].cpu(), expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_func_jvp_in_bfloat16(normalize, device):
+    """16-bit inputs: the tangent in the inputs' dtype (the normalizer's parts in float32), near
+    float64's."""
+    inputs = _forward_mode_case(device, normalize, dtype=torch.bfloat16)
+    primals = tuple(inputs[n] for n in "qkv")
+    tangents = tuple(torch.randn_like(x) for x in primals)
+
+    def ours(q, k, v):
+        return fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize)
+
+    def reference(q, k, v):
+        return reference_with_state(q, k, v, normalize=normalize)[0]
+
+    out, tangent = torch.func.jvp(ours, primals, tangents)
+    assert out.dtype == tangent.dtype == torch.bfloat16
+    _, expected = torch.func.jvp(reference, tuple(x.cpu().double() for x in primals),
+                                 tuple(t.cpu().double() for t in tangents))
+    assert relative_error(tangent, expected) < 2e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
