@@ -142,64 +142,54 @@ def _attend_with_tangents(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale,
     normalized output N / D (D = q' (k_sum0 + sum_{s<=t} k[s]) + eps: the same product with v = 1
     and kv0 = k_sum0) takes the quotient rule, D and its tangent computed in the accumulation dtype.
     Calls whose tangent is absent (zero) are skipped."""
-    primals = [None if t is None else forward_ad.unpack_dual(t).primal for t in (q, k, v, initial_kv, initial_k_sum)]
-    dq, dk, dv, dkv0, dks0 = (_tangent(t) for t in (q, k, v, initial_kv, initial_k_sum))
-    q, k, v, kv0, ks0 = primals
+    (q, dq), (k, dk), (v, dv), (kv0, dkv0), (ks0, dks0) = (
+        (None, None) if t is None else forward_ad.unpack_dual(t) for t in (q, k, v, initial_kv, initial_k_sum))
     out, kv1, ks1 = attend(q, k, v, kv0, ks0, cu_seqlens, scale, normalize, eps, layout, return_final_state)
 
     def product(q_, k_, v_, kv_, ks_, final_state):  # (N, final kv, final k_sum), unnormalized
         return attend(q_, k_, v_, kv_, ks_, cu_seqlens, scale, False, eps, layout, final_state)
 
-    kv_shape, ks_shape = _state_shapes(q, v, layout, cu_seqlens)
-    acc = _accumulation_dtype(q.dtype)
-
-    def zeros(shape):
-        return q.new_zeros(shape, dtype=acc)
-
-    d_out = d_kv1 = d_ks1 = None
-
     def add(total, part):
         return part if total is None else total + part
 
+    kv_shape, ks_shape = _state_shapes(q, v, layout, cu_seqlens)
+    acc = _accumulation_dtype(q.dtype)
+    key_tangent = dk is not None or dks0 is not None  # (the normalizer's: k and k_sum0 move it)
+    # the state's tangents as a pair (the op takes both or neither), none where neither moves
+    if dkv0 is not None or dks0 is not None:
+        dkv0 = q.new_zeros(kv_shape, dtype=acc) if dkv0 is None else dkv0
+        dks0 = q.new_zeros(ks_shape, dtype=acc) if dks0 is None else dks0
+    if dk is None and dkv0 is not None:
+        dk = torch.zeros_like(k)
+
+    d_out = d_kv1 = d_ks1 = None
     if dq is not None:
-        d_out = add(d_out, product(dq, k, v, kv0, ks0, False)[0])
-    if dk is not None or dkv0 is not None or dks0 is not None:
-        # (the state's tangents as a pair, or none: no state where the call had none, so that a
-        # tangent asks nothing of the kernels that the call did not)
-        has_state = dkv0 is not None or dks0 is not None
-        part = product(q, torch.zeros_like(k) if dk is None else dk, v,
-                       (zeros(kv_shape) if dkv0 is None else dkv0) if has_state else None,
-                       (zeros(ks_shape) if dks0 is None else dks0) if has_state else None, return_final_state)
+        d_out = product(dq, k, v, kv0, ks0, False)[0]
+    if dk is not None:
+        part = product(q, dk, v, dkv0, dks0, return_final_state)
         d_out, d_kv1, d_ks1 = add(d_out, part[0]), part[1], part[2]
     if dv is not None:
         part = product(q, k, dv, None, None, return_final_state)
         d_out, d_kv1 = add(d_out, part[0]), add(d_kv1, part[1])
-        if d_ks1 is None:
-            d_ks1 = torch.zeros_like(ks1)
-    if return_final_state and d_kv1 is None:  # only q carries a tangent: the state does not move
-        d_kv1, d_ks1 = torch.zeros_like(kv1), torch.zeros_like(ks1)
 
     if normalize:  # d(N / D) = (dN - out dD) / D
         ones = v.new_ones(v.shape[:-1] + (1,), dtype=acc)
 
         def key_sums(q_, k_, ks_):  # q_' (ks_ + sum k_), without eps: [..., 1] in the layout
-            start = (None, None) if ks_ is None else (ks_.unsqueeze(-1), zeros(ks_shape))
+            start = (None, None) if ks_ is None else (ks_.unsqueeze(-1), q.new_zeros(ks_shape, dtype=acc))
             return product(q_.to(acc), k_.to(acc), ones, *start, False)[0]
 
-        den = key_sums(q, k, ks0) + eps
-        d_den = None
+        d_num = d_out.to(acc)
         if dq is not None:
-            d_den = add(d_den, key_sums(dq, k, ks0))
-        if dk is not None or dks0 is not None:
-            d_den = add(d_den, key_sums(q, torch.zeros_like(k) if dk is None else dk, dks0))
-        d_num = torch.zeros_like(out, dtype=acc) if d_out is None else d_out.to(acc)
-        if d_den is not None:
-            d_num = d_num - out.to(acc) * d_den
-        d_out = (d_num / den).to(out.dtype)
+            d_num = d_num - out.to(acc) * key_sums(dq, k, ks0)
+        if key_tangent:
+            d_num = d_num - out.to(acc) * key_sums(q, dk, dks0)
+        d_out = (d_num / (key_sums(q, k, ks0) + eps)).to(out.dtype)
 
     out = forward_ad.make_dual(out, d_out)
-    if return_final_state:
-        kv1, ks1 = forward_ad.make_dual(kv1, d_kv1), forward_ad.make_dual(ks1, d_ks1)
+    if return_final_state:  # (a state no tangent moves: zero)
+        kv1 = forward_ad.make_dual(kv1, torch.zeros_like(kv1) if d_kv1 is None else d_kv1)
+        ks1 = forward_ad.make_dual(ks1, torch.zeros_like(ks1) if d_ks1 is None else d_ks1)
     return out, kv1, ks1
 
 

@@ -1,6 +1,7 @@
 """torch.autograd.gradcheck in float64: the backward is the derivative of the forward."""
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import fast_causal_attn
 from conftest import DEVICES
@@ -87,18 +88,21 @@ def _forward_mode_case(device, normalize, layout="bhld", dtype=torch.float64):
     return dict(zip(STATE_NAMES, (q, k, v, kv0, k_sum0)))
 
 
-def _with_state(fn, normalize, layout):
-    """(out, final kv, final k_sum) of q, k, v and the initial state, through ours or the reference."""
+def _ours_with_state(normalize, layout):
+    """(out, final kv, final k_sum) of q, k, v and the initial state."""
     def ours(q, k, v, kv0, k_sum0):
         out, state = fast_causal_attn.causal_linear_attention(
             q, k, v, scale=0.7, normalize=normalize, layout=layout, initial_state=fast_causal_attn.State(kv0, k_sum0),
             return_final_state=True)
         return out, state.kv, state.k_sum
 
-    def reference(q, k, v, kv0, k_sum0):
-        return reference_with_state(q, k, v, (kv0, k_sum0), scale=0.7, normalize=normalize, layout=layout)
+    return ours
 
-    return ours if fn == "ours" else reference
+
+def _reference_with_state(normalize, layout):
+    """The same through the float64 reference."""
+    return lambda q, k, v, kv0, k_sum0: reference_with_state(q, k, v, (kv0, k_sum0), scale=0.7, normalize=normalize,
+                                                             layout=layout)
 
 
 def _assert_tangents_close(ours, expected, rtol):
@@ -115,8 +119,8 @@ def test_func_jvp_matches_reference(layout, normalize, device):
     inputs = _forward_mode_case(device, normalize, layout)
     primals = tuple(inputs.values())
     tangents = tuple(torch.randn_like(x) for x in primals)
-    out, ours = torch.func.jvp(_with_state("ours", normalize, layout), primals, tangents)
-    ref_out, expected = torch.func.jvp(_with_state("reference", normalize, layout), tuple(x.cpu() for x in primals),
+    out, ours = torch.func.jvp(_ours_with_state(normalize, layout), primals, tangents)
+    ref_out, expected = torch.func.jvp(_reference_with_state(normalize, layout), tuple(x.cpu() for x in primals),
                                        tuple(t.cpu() for t in tangents))
     torch.testing.assert_close(out[0].cpu(), ref_out[0], rtol=1e-10, atol=1e-12)
     _assert_tangents_close(ours, expected, rtol=1e-10)
@@ -127,15 +131,13 @@ def test_func_jvp_matches_reference(layout, normalize, device):
 @pytest.mark.parametrize("name", STATE_NAMES)
 def test_forward_ad_tangent_on_one_input(name, normalize, device):
     """One input dual, the others plain (their tangents absent, not zero): each product skipped."""
-    import torch.autograd.forward_ad as fwAD
-
     inputs = _forward_mode_case(device, normalize)
     tangent = torch.randn_like(inputs[name])
     with fwAD.dual_level():
         duals = dict(inputs, **{name: fwAD.make_dual(inputs[name], tangent)})
-        ours = [fwAD.unpack_dual(x).tangent for x in _with_state("ours", normalize, "bhld")(*duals.values())]
+        ours = [fwAD.unpack_dual(x).tangent for x in _ours_with_state(normalize, "bhld")(*duals.values())]
     zero_elsewhere = tuple(tangent.cpu() if n == name else torch.zeros_like(x.cpu()) for n, x in inputs.items())
-    _, expected = torch.func.jvp(_with_state("reference", normalize, "bhld"),
+    _, expected = torch.func.jvp(_reference_with_state(normalize, "bhld"),
                                  tuple(x.cpu() for x in inputs.values()), zero_elsewhere)
     _assert_tangents_close(ours, expected, rtol=1e-10)
 
@@ -189,8 +191,6 @@ def test_func_jvp_in_bfloat16(normalize, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dual_level_without_tangents_runs(device):
     """Inside a dual level, inputs without tangents (the tangent on another tensor) run as outside."""
-    import torch.autograd.forward_ad as fwAD
-
     q, k, v = make_inputs(1, 2, 20, 4, 3, dtype=torch.float64, device=device)
     expected = fast_causal_attn.causal_dot_product(q, k, v)
     with fwAD.dual_level():
