@@ -40,8 +40,7 @@ def baselines(v, dout, iters):
     runs Python on autograd's device thread), each through torch.autograd.grad as the timed calls."""
     leaf = v.detach().requires_grad_()
     builtin = host_ms(lambda: torch.autograd.grad(leaf * 2.0, [leaf], dout), iters)
-    three = three_leaves(v, dout)
-    builtin3 = host_ms(three, iters)
+    builtin3 = host_ms(three_leaves(v, dout), iters)
     python = host_ms(lambda: torch.autograd.grad(_Clone.apply(leaf), [leaf], dout), iters)
     return builtin, builtin3, python
 
@@ -68,19 +67,24 @@ def profiled(fn, iters, top, title):
               f"{e.count / iters:10.1f}  {e.key[:90]}")
 
 
-def op_times(q, k, v, dout, iters):
-    """The host's ms per call of the ops alone, no autograd: the forward op, the backward op (on
-    the forward's own results) and the differentiable op's forward (its C++ autograd node,
-    csrc/autograd.cpp), so that what the ops cost can be told from what autograd adds."""
+def op_calls(q, k, v, dout):
+    """The ops alone, no autograd, as calls: the forward op, the backward op (on the forward's own
+    results) and the differentiable op's forward (its C++ autograd node, csrc/autograd.cpp)."""
     ops = torch.ops.fast_causal_attn
     args = (None, None, None, 1.0, False, 1e-6, "bhld", False, True)
     results = ops.forward(q, k, v, *args)
-    forward = host_ms(lambda: ops.forward(q, k, v, *args), iters)
-    backward = host_ms(lambda: ops.backward(dout, None, None, q, k, v, None, None, None, None, None, 1.0, False,
-                                            "bhld", results[4], results[5]), iters)
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    attention = host_ms(lambda: ops.attention(*leaves, *args), iters)
-    return forward, backward, attention
+    return {
+        "forward op": lambda: ops.forward(q, k, v, *args),
+        "backward op": lambda: ops.backward(dout, None, None, q, k, v, None, None, None, None, None, 1.0, False,
+                                            "bhld", results[4], results[5]),
+        "attention op": lambda: ops.attention(*leaves, *args),
+    }
+
+
+def op_times(q, k, v, dout, iters):
+    """The host's ms per call of op_calls: what the ops cost, told from what autograd adds."""
+    return tuple(host_ms(fn, iters) for fn in op_calls(q, k, v, dout).values())
 
 
 def main():

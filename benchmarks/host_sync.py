@@ -17,6 +17,7 @@ import torch
 
 import fast_causal_attn
 from benchmark import host_ms, make_case
+from host_profile import op_calls
 
 SLEEP_CYCLES = 40_000_000  # about 20 ms at the H200's clock
 
@@ -33,25 +34,15 @@ def behind_sleep(fn):
 
 
 def pieces(q, k, v, dout):
-    ops = torch.ops.fast_causal_attn
+    """The public API's fwd+bwd and its parts: the forward with its node, autograd's backward
+    over a graph kept for it, and the ops alone (host_profile.op_calls)."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-    args = (None, None, None, 1.0, False, 1e-6, "bhld", False, True)
-    results = ops.forward(q, k, v, *args)
-    kept = ops.attention(*leaves, *args)[0]
-
-    def forward_backward():
-        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves), leaves, dout)
-
-    def forward_with_graph():
-        return fast_causal_attn.causal_dot_product(*leaves)
-
+    kept = fast_causal_attn.causal_dot_product(*leaves)
     return {
-        "fwd+bwd": forward_backward,
-        "forward with autograd": forward_with_graph,
+        "fwd+bwd": lambda: torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves), leaves, dout),
+        "forward with autograd": lambda: fast_causal_attn.causal_dot_product(*leaves),
         "grad of a kept graph": lambda: torch.autograd.grad(kept, leaves, dout, retain_graph=True),
-        "forward op": lambda: ops.forward(q, k, v, *args),
-        "backward op": lambda: ops.backward(dout, None, None, q, k, v, None, None, None, None, None, 1.0, False,
-                                            "bhld", results[4], results[5]),
+        **{name: fn for name, fn in op_calls(q, k, v, dout).items() if name != "attention op"},
     }
 
 
