@@ -218,7 +218,11 @@ struct Stager {
 // Two warpgroups with their own roles (one warpgroup doing both issued 2300 instructions a chunk,
 // one warp a scheduler at 5 cycles each: H200 ncu, 8,16,2048,64, nineteenth session):
 //  - the consumer (warpgroup 0) runs the products: A B^T and A S (the first batch), builds P, then
-//    P Cc and the state's sums (the second), writes the outputs and adds the sums to S;
+//    the state's sums and P Cc (the second), adds the sums to S and writes the outputs. Each
+//    product is its own commit group, so that P is built while A S runs and the sums are added
+//    to S while P Cc runs (7% off the float32 fwd+bwd at 1,16,32768,128; RESULTS.md, thirty-ninth
+//    session); carrying the outputs' stores or A's next fragments over into the next chunk ran
+//    out of registers (ptxas: 255 with spills, the wgmma serialized);
 //  - the producer (warpgroup 1) stages the raw chunks (cp.async, two slots) and writes the derived
 //    tiles: B's tail once the consumer's first batch of the chunk before has run (kAbFree), Cc^T
 //    (head and tail) and the next chunk's copies into that chunk's slot once its second batch
@@ -363,8 +367,8 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     publish();
   }
 
-  // S += the sums, rounded in float32 (every wgmma reading S^T has run: the first batch before
-  // the barrier kTFull, the second before this), and published for the next chunk's A S
+  // S += the sums, rounded in float32 (A S, the one product that reads S^T, has run: waited for
+  // before the second batch), and published for the next chunk's A S
   auto add_to_state = [&](const float (&sums)[32]) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
@@ -408,10 +412,11 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     SplitFragments af;
     staged_fragments(af, 3 * slot, false);
     fence();
-    times<kSplit>(score, RegisterOperand{af}, bt, tile(kBTail), false);                 // A B^T
-    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), false);       // A S
+    times<kSplit>(score, RegisterOperand{af}, bt, tile(kBTail), false);  // A B^T
     commit();
-    wait<0>();
+    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), false);  // A S
+    commit();
+    wait<1>();  // the scores; A S may still run, behind P's construction
     if (more) named_arrive(kAbFree);
     // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of n-tile
     // s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two shuffles
@@ -433,13 +438,17 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
         pf.set(s, h, kept(8 * s + q4) ? (odd ? y : x) : 0.f);          // column q4
         pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
       }
-    named_sync(kTFull);
-    SplitFragments bf;
+    SplitFragments bf;  // (from the staged B, there since kAbFull)
     staged_fragments(bf, 3 * slot + 1, true);
+    wait<0>();  // A S
+    named_sync(kTFull);
     fence();
-    times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
     times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
     commit();
+    times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
+    commit();
+    wait<1>();  // the sums; P Cc may still run, behind the state's update
+    add_to_state(sums);
     wait<0>();
     if (more) named_arrive(kTFree);
 
@@ -462,7 +471,6 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
-    add_to_state(sums);
   }
   float end[32];
 #pragma unroll
