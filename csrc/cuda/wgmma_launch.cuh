@@ -251,7 +251,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // each pass alone: its groups and a producer warpgroup (one launch's instances too); dk with dv:
   // one group and a producer, or above 64 two groups (the wide kernel, which stages its own
   // chunks: a producer there measured slower, RESULTS.md, thirty-first session)
-  const int threads = kFloat              ? 2 * wgmma_tf32::kThreads
+  const int threads = kFloat              ? (wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads
                       : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes

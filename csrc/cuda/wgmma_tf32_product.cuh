@@ -7,16 +7,17 @@
 //
 // in 96 m64n64k8 instructions where the mma.sync kernel issues about 1500 and their loads (H200,
 // 8,16,2048,64 forward kernel: 0.133 ms against the mma.sync kernel's 0.199; RESULTS.md, nineteenth
-// session). One block a (sequence, head, time segment), two warpgroups: a producer that stages the
-// chunks and writes the operands below, a consumer that runs the products (see the kernel).
+// session). One block a (sequence, head, time segment), three warpgroups: a producer that stages
+// the chunks and writes the operands below, two consumers that run the products of alternate
+// chunks (see the kernel).
 //
 // TF32 wgmma reads its shared-memory operands K-major only (no transposed view, as 16-bit wgmma
 // has), so each product takes its operands as follows:
 //
 //   A B^T     A: the staged tile's fragments in registers, split there; B: the staged tile
 //             (K = Da along its columns)
-//   A S       A: the same registers; B: the state's copy, written transposed each chunk (S^T:
-//             rows m, K = e along them)
+//   A S       A: the staged tile's fragments again; B: the state's copy, written transposed
+//             each chunk (S^T: rows m, K = e along them)
 //   P Cc      A: the masked scores from their accumulators, shuffled into A fragments;
 //             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
 //   B^T Cc    A: B^T's fragments, read transposed from the staged B into registers and split
@@ -39,9 +40,9 @@
 //
 // Tiles are 64 x 64 float32 (16 KB) in wgmma's 128-byte swizzle: two atoms of 32 columns, 8 KB
 // apart; element (r, c) of an atom at 128 r + 16 ((c / 4) ^ (r % 8)) + 4 (c % 4) bytes; a k8 step
-// moves the start address 32 bytes. Shared memory: A, B and Cc staged two chunks deep by cp.async
-// (96 KB: the next chunk's copies run behind this chunk's products), the five derived tiles (80
-// KB): 176 KB, one block a multiprocessor.
+// moves the start address 32 bytes. Shared memory: each consumer's chunk, A, B and Cc as staged
+// by cp.async and its three derived tiles (96 KB), and S^T's two (32 KB): 224 KB, one block a
+// multiprocessor.
 //
 // A block holds 64 of the state's rows (Da: a's and b's columns) and 64 of its columns (Dc). Wider
 // states run in column tiles (each block its own outputs) and, up to 256 rows, in up to four row
@@ -64,12 +65,16 @@ namespace cuda {
 namespace wgmma_tf32 {
 
 constexpr int C = 64;               // timesteps a chunk; the state's rows and columns, zero-padded
-constexpr int kThreads = 128;       // a warpgroup (a block: the producer's and the consumer's)
+constexpr int kThreads = 128;       // a warpgroup (a block: two consumers' and the producer's)
+constexpr int kConsumers = 2;       // consumer warpgroups, on alternate chunks
 constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
-constexpr int kDepth = 2;           // chunks staged
-// Tiles: stage slot s holds A, B and Cc at 3 s, 3 s + 1, 3 s + 2; then the derived tiles.
-enum Tiles : int { kBTail = 3 * kDepth, kCtHead, kCtTail, kStHead, kStTail, kTileCount };
-constexpr size_t kSmemBytes = size_t(kTileCount) * kTile;
+// A consumer's set of tiles (consumer j's at j * kSetTiles on): its chunk as staged (A, B, Cc),
+// B's tail, Cc^T's head and tail. Then the state's copy S^T, head and tail, which both read.
+enum SetTile : int { kA, kB, kC, kBTail, kCtHead, kCtTail, kSetTiles };
+enum Tiles : int { kStHead = kConsumers * kSetTiles, kStTail, kTileCount };
+// After the tiles, the state's two hand-off mbarriers (consumer j waits on its own: see kFull).
+constexpr size_t kHandOffs = size_t(kTileCount) * kTile;
+constexpr size_t kSmemBytes = kHandOffs + kConsumers * sizeof(uint64_t);
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -161,11 +166,31 @@ struct RegisterOperand {  // A from registers
   __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.tail[s], b, acc); }
 };
 
-// Named barriers (0 is __syncthreads): the producer's announcements and the consumer's releases
-// (both warpgroups: the one arrives, the other waits), and each warpgroup's own.
-enum Barrier : int { kAbFull = 1, kAbFree, kTFull, kTFree, kConsumers, kProducers };
+// Named barriers (0 is __syncthreads), each of two warpgroups (one arrives, the other waits)
+// unless kOwn: kFull + j, the producer's announcement that consumer j's set holds its next chunk;
+// kFree + j, consumer j's that it has read its set (the producer may stage into it); kOwn + w,
+// warpgroup w's own (w = kConsumers: the producer). The state passes from one consumer to the
+// other through an mbarrier instead (each thread's arrive a release of its own writes, the
+// waiter's an acquire): across bar.arrive and bar.sync racecheck took the threads' reads and
+// writes of S for races.
+enum Barrier : int { kFull = 1, kFree = kFull + kConsumers, kOwn = kFree + kConsumers };
+static_assert(kOwn + kConsumers < 16, "named barriers of a block");
 __device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) { wgmma::named_sync(id, threads); }
 __device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) { wgmma::named_arrive(id, threads); }
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nwait_%=:\n"
+      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 
 // One operand's rows as this thread copies them (Stager): the next chunk's first row of this
 // thread's pieces, the step between them (8 rows), and whether its columns lie inside the operand.
@@ -215,23 +240,27 @@ struct Stager {
 // KernelParams::tf32; a runtime switch between the products made ptxas wait for the accumulators
 // between every two).
 //
-// Two warpgroups with their own roles (one warpgroup doing both issued 2300 instructions a chunk,
-// one warp a scheduler at 5 cycles each: H200 ncu, 8,16,2048,64, nineteenth session):
-//  - the consumer (warpgroup 0) runs the products: A B^T and A S (the first batch), builds P, then
-//    the state's sums and P Cc (the second), adds the sums to S and writes the outputs. Each
-//    product is its own commit group, so that P is built while A S runs and the sums are added
-//    to S while P Cc runs (7% off the float32 fwd+bwd at 1,16,32768,128; RESULTS.md, thirty-ninth
-//    session); carrying the outputs' stores or A's next fragments over into the next chunk ran
-//    out of registers (ptxas: 255 with spills, the wgmma serialized);
-//  - the producer (warpgroup 1) stages the raw chunks (cp.async, two slots) and writes the derived
-//    tiles: B's tail once the consumer's first batch of the chunk before has run (kAbFree), Cc^T
-//    (head and tail) and the next chunk's copies into that chunk's slot once its second batch
-//    has (kTFree: the second batch reads the staged B, into B^T's registers); so the next chunk's
-//    tiles are written while this chunk's products run. Each set is announced by its own barrier
-//    (kAbFull for the first batch, kTFull for the second: named barriers of both warpgroups, the
-//    producer arriving, the consumer waiting).
+// Three warpgroups with their own roles: two consumers on alternate chunks (consumer j on chunks
+// j, j + 2, ...) and a producer. One consumer on every chunk (to main 8f0f624) ran its ALU work
+// and its products one after the other: about 8300 cycles a chunk against 3072 for its wgmma
+// (H200 ncu, 8,16,2048,128, thirty-eighth session). Two let one consumer's loads, splits, P and
+// state update run while the other's products keep the tensor cores busy.
+//  - A consumer's products of a chunk, each waited for before the next (the other consumer's
+//    fill the gaps): A B^T, P Cc and B^T Cc, which need no state, then A S, once the other
+//    consumer has added its chunk's sums to S (hand_off). It adds its own sums and hands S on. So
+//    S passes between the consumers each chunk: one copy in shared memory, read and updated in
+//    chunk order, the hand-off (A S and the update) the only part of a chunk run in series.
+//  - Each consumer has its own set of tiles (SetTile): the producer stages the chunk into it
+//    (cp.async) and writes B's tail and Cc^T (head and tail) there, announcing it (kFull + j);
+//    the consumer frees it (kFree + j) once it has read A again for A S, before its A S and the
+//    state's update, so that its next chunk is staged behind them.
+//  - Registers: 384 threads, 168 a thread; a consumer holds one operand's fragments at a time
+//    (A's, P's or B^T's: 64 registers, each product waited for), out and the sums (64).
+// State-only blocks: the consumers sum alternate chunks' B^T Cc in registers, consumer 0 adds
+// consumer 1's total to its own at the end (two partial sums in a fixed order: the same sum on
+// every run).
 template <Pass P, bool kSplit>
-__global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
+__global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma_tf32;
@@ -247,6 +276,7 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   auto word = [&](int which, int r, int c) -> float& {
     return *reinterpret_cast<float*>(wgmma_smem + which * kTile + offset_of(r, c));
   };
+  auto set_tile = [](int consumer, int which) { return consumer * kSetTiles + which; };  // a SetTile's index
   const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows (see above)
   const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
   const Operands<P, float, float> ops = work.operands(p);
@@ -257,22 +287,31 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
+  // (wgmma::warpgroup(): uniform to ptxas, which otherwise serialized the wgmma, C7520)
+  const int group = wgmma::warpgroup(), tid = int(threadIdx.x) % kThreads;
+  // hand_off(j): consumer j's mbarrier, completed by the other consumer's 128 arrivals
+  auto hand_off = [&](int consumer) { return base + uint32_t(kHandOffs) + uint32_t(consumer) * 8u; };
+  if (threadIdx.x == 0) {
+    for (int j = 0; j < kConsumers; ++j) mbarrier_init(hand_off(j), kThreads);
+  }
+  __syncthreads();
+  // registers: 168 a thread at launch (384 threads); the producer gives back what the consumers take
+  constexpr int kProducerRegisters = 96, kConsumerRegisters = 200;
+  static_assert(kConsumers * kConsumerRegisters + kProducerRegisters <= (kConsumers + 1) * 168, "the block's registers");
 
-  if (threadIdx.x >= kThreads) {  // the producer
-    const int tid = threadIdx.x - kThreads;
+  if (group == kConsumers) {  // the producer
+    wgmma::registers_down_to<kProducerRegisters>();
     const Stager stage(tid);
     const int64_t first = chunk_begin(0);
     Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
     Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
-    auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into slot it % 2: the sources step a chunk each
-      if (it < chunks) {
-        const int n = work.chunk_len(chunk_begin(it), C), slot = int(it % kDepth);
-        if (!state_only) stage.operator()<kReverse>(tile(3 * slot), a_src, ops.a_rows().ptr, n);
-        stage.operator()<kReverse>(tile(3 * slot + 1), b_src, ops.b_rows().ptr, n);
-        stage.operator()<kReverse>(tile(3 * slot + 2), c_src, ops.c_rows().ptr, n);
-      }
-      wgmma::StageRing<kDepth>::commit_copies();
+    auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into its consumer's set
+      const int n = work.chunk_len(chunk_begin(it), C), j = int(it % kConsumers);
+      if (!state_only) stage.operator()<kReverse>(tile(set_tile(j, kA)), a_src, ops.a_rows().ptr, n);
+      stage.operator()<kReverse>(tile(set_tile(j, kB)), b_src, ops.b_rows().ptr, n);
+      stage.operator()<kReverse>(tile(set_tile(j, kC)), c_src, ops.c_rows().ptr, n);
+      wgmma::StageRing<2>::commit_copies();
     };
     // a transposed tile, heads and tails (a warp: 32 consecutive timesteps, one row of the
     // transpose each; both the reads and the writes conflict-free)
@@ -280,180 +319,197 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
       const int s = tid % 64;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const int group = tid / 64 + 2 * i;  // four columns
-        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + from * kTile + offset_of(s, 4 * group));
+        const int group4 = tid / 64 + 2 * i;  // four columns
+        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + from * kTile + offset_of(s, 4 * group4));
         const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          word(head, 4 * group + e, s) = xs[e];
-          if constexpr (kSplit) word(tail, 4 * group + e, s) = tail_of(xs[e]);
+          word(head, 4 * group4 + e, s) = xs[e];
+          if constexpr (kSplit) word(tail, 4 * group4 + e, s) = tail_of(xs[e]);
         }
       }
     };
-    issue(0);
+    if (chunks > 0) issue(0);
     for (int64_t it = 0; it < chunks; ++it) {
-      const int slot = int(it % kDepth);
-      // B's tail tile takes chunk it's once the consumer's first batch of chunk it - 1 has run
-      // (kAbFree), so that the tail is ready for this chunk's first batch while the consumer
-      // still runs the second batch of the chunk before; the slot of chunk it - 1 takes chunk
-      // it + 1 only once the consumer has run that second batch too (kTFree below: it reads B
-      // into B^T's registers there).
-      if (it > 0 && !state_only) named_sync(kAbFree);
+      const int j = int(it % kConsumers);
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
-      named_sync(kProducers, kThreads);                        // every thread's
-      if (!state_only) {  // B's tail, in its head's places (A's: the consumer's, in registers)
-        if constexpr (kSplit) {
+      named_sync(kOwn + kConsumers, kThreads);                 // every thread's
+      if (!state_only && kSplit) {  // B's tail, in its head's places (A's: the consumer's, in registers)
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const uint32_t offset = stage.piece0 + 1024 * i;
-            const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + (3 * slot + 1) * kTile + offset);
-            *reinterpret_cast<float4*>(wgmma_smem + kBTail * kTile + offset) =
-                make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
-          }
+        for (int i = 0; i < 8; ++i) {
+          const uint32_t offset = stage.piece0 + 1024 * i;
+          const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + set_tile(j, kB) * kTile + offset);
+          *reinterpret_cast<float4*>(wgmma_smem + set_tile(j, kBTail) * kTile + offset) =
+              make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
         }
-        wgmma::fence_shared_writes();  // (the cp.async copies and the tails, to wgmma)
-        named_arrive(kAbFull);
       }
-      // the consumer has run chunk it - 1 (and every thread here transposed its Cc: kTFull before)
-      if (it > 0) named_sync(kTFree);
-      issue(it + 1);
-      transpose(3 * slot + 2, kCtHead, kCtTail);
-      wgmma::fence_shared_writes();
-      named_arrive(kTFull);
+      transpose(set_tile(j, kC), set_tile(j, kCtHead), set_tile(j, kCtTail));
+      wgmma::fence_shared_writes();  // (the cp.async copies and the derived tiles, to wgmma)
+      named_arrive(kFull + j);
+      if (it + 1 < chunks) {  // the next chunk into its consumer's set, once it has read the chunk two before
+        if (it + 1 >= kConsumers) named_sync(kFree + (1 - j));
+        issue(it + 1);
+      }
     }
     return;
   }
 
-  // The consumer.
-  const int tid = threadIdx.x, warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
+  // A consumer: chunks group, group + 2, ...
+  wgmma::registers_up_to<kConsumerRegisters>();
+  const int me = group, other = 1 - group;
+  const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
   // The state S lives in shared memory as the copy A S reads: S^T (row m, column e), its head the
-  // float32 state itself (the master: registers held no more), its tail beside. This thread keeps
-  // (and alone reads and writes) the elements of an accumulator's layout: row e = 16 warp + g
-  // (+8), column m = m0 + 8 j + 2 q4 (+1), element 4 j .. of a 32-float array.
+  // float32 state itself (the master: registers held no more), its tail beside. Each thread reads
+  // and writes the elements of an accumulator's layout: row e = 16 warp + g (+8), column m = m0 +
+  // 8 j + 2 q4 (+1), element 4 j .. of a 32-float array (the same in both consumers: each element
+  // passes between the two threads of one rank, hand_off ordering them).
   auto state = [&](int i) -> float& {
     return word(kStHead, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
   };
   auto state_tail = [&](int i) -> float& {
     return word(kStTail, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
   };
-  auto publish = [&] {  // this thread's part of S^T written, seen by the warpgroup's wgmma
-    wgmma::fence_shared_writes();
-    named_sync(kConsumers, kThreads);
-  };
-  // A fragments of staged tile `which` (its rows 16 warp + g, + 8 and columns 8 s + q4, + 4 of
-  // k-step s; of its transpose where `transposed`), split into heads and tails here. Each warp's
-  // 32 loads of a k-step fall on 32 banks untransposed, on 16 (two ways) transposed.
+  // A fragments of tile `which` (its rows 16 warp + g, + 8 and columns 8 s + q4, + 4 of k-step s;
+  // of its transpose where `transposed`), split into heads and tails here. Each warp's 32 loads
+  // of a k-step fall on 32 banks untransposed, on 16 (two ways) transposed. The addresses are
+  // offset_of's in two parts: a base of this thread's (x, y below; the swizzle's three bits hold
+  // g, or 4 (warp % 2) + g / 4 ^ q4) and what each load adds (a constant XOR on those bits, then
+  // constant bytes), from the tile's place made opaque each call: held across the loop, the 32
+  // addresses of each tile spilled.
+  const uint32_t frag_x = 128 * (16 * warp + g) + 16 * g + 4 * q4;
+  const uint32_t frag_y = 8192 * (warp / 2) + 128 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ q4) + 4 * (g % 4);
   auto staged_fragments = [&](SplitFragments& f, int which, bool transposed) {
+    uint32_t at = uint32_t(which * kTile) + (transposed ? frag_y : frag_x);
+    asm volatile("" : "+r"(at));
 #pragma unroll
     for (int s = 0; s < 8; ++s)
 #pragma unroll
       for (int h = 0; h < 4; ++h) {
-        const int r = 16 * warp + g + 8 * (h % 2), c = 8 * s + q4 + 4 * (h / 2);
-        f.set(s, h, transposed ? word(which, c, r) : word(which, r, c));
+        const uint32_t offset = transposed ? (at ^ (16 * (2 * (h % 2) + 4 * (h / 2)))) + 1024 * s + 512 * (h / 2)
+                                           : (at ^ (16 * (2 * (s % 4) + h / 2))) + 8192 * (s / 4) + 1024 * (h % 2);
+        f.set(s, h, *reinterpret_cast<const float*>(wgmma_smem + offset));
       }
   };
   auto store_segment_end = [&](const float (&end)[32]) {
     wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
                      Da, Dc, work.k0, work.m0);
   };
-  if (!state_only) {  // (a state-only block keeps its sums in registers: below)
-    float start[32];  // the segment's start
+  // d = B^T Cc of consumer me's chunk (B^T's fragments read transposed from the staged B)
+  auto state_sums = [&](float (&d)[32]) {
+    SplitFragments bf;
+    staged_fragments(bf, set_tile(me, kB), true);
+    fence();
+    times<kSplit>(d, RegisterOperand{bf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);
+    commit();
+    wait<0>();
+  };
+
+  if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
+    // No A S reads the state here: it stays in registers, each chunk's sums added in float32 as
+    // the pass adds them, and is written as the segment's end below (a state-only block starts
+    // from zero: load_start).
+    float total[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) total[i] = 0.f;
+    for (int64_t it = me; it < chunks; it += kConsumers) {
+      float sums[32];
+      named_sync(kFull + me);
+      state_sums(sums);
+      if (it + kConsumers < chunks) named_arrive(kFree + me);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) total[i] += sums[i];
+    }
+    if (chunks > 1) {  // consumer 1's total to consumer 0 through S^T's (unused) place
+      if (me == 1) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) state(i) = total[i];
+        mbarrier_arrive(hand_off(0));
+        return;
+      }
+      mbarrier_wait(hand_off(0), 0);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) total[i] += state(i);
+    }
+    if (me == 0) store_segment_end(total);
+    return;
+  }
+
+  if (me == 0) {  // the segment's start into S, for chunk 0's A S
+    float start[32];
     wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0, work.m0);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       state(i) = start[i];
       if constexpr (kSplit) state_tail(i) = tail_of(start[i]);
     }
-    publish();
+    wgmma::fence_shared_writes();
+    named_sync(kOwn + me, kThreads);
   }
-
-  // S += the sums, rounded in float32 (A S, the one product that reads S^T, has run: waited for
-  // before the second batch), and published for the next chunk's A S
-  auto add_to_state = [&](const float (&sums)[32]) {
+  const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
+  const int row = 16 * warp + g;
+  for (int64_t it = me; it < chunks; it += kConsumers) {
+    named_sync(kFull + me);
+    float score[32], out[32], sums[32];
+    {
+      SplitFragments af;
+      staged_fragments(af, set_tile(me, kA), false);
+      fence();
+      times<kSplit>(score, RegisterOperand{af}, tile(set_tile(me, kB)), tile(set_tile(me, kBTail)), false);  // A B^T
+      commit();
+      wait<0>();
+    }
+    {
+      // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of
+      // n-tile s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two
+      // shuffles bring both: lane j of the quad sends element j / 2 first and the other second,
+      // and an even lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2
+      // + q4 / 2 (four shuffles, each a chosen element, were the same in twice the instructions).
+      SplitFragments pf;
+      const bool odd = q4 % 2, upper = q4 / 2;
+      const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // rows g, g + 8
+          const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
+          const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
+          const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
+          const int r = row + 8 * h;
+          auto kept = [r](int column) { return kReverse ? column >= r : column <= r; };
+          pf.set(s, h, kept(8 * s + q4) ? (odd ? y : x) : 0.f);          // column q4
+          pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
+        }
+      fence();
+      times<kSplit>(out, RegisterOperand{pf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);  // P Cc
+      commit();
+      wait<0>();
+    }
+    state_sums(sums);  // B^T Cc
+    {
+      SplitFragments af;  // A's again (held since A B^T, they would have doubled the peak registers)
+      staged_fragments(af, set_tile(me, kA), false);
+      if (it + kConsumers < chunks) named_arrive(kFree + me);  // the set read: chunk it + 2 may come
+      // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
+      if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
+      fence();
+      times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), true);  // += A S
+      commit();
+      wait<0>();
+    }
+    // S += the sums, rounded in float32, handed to the other consumer for chunk it + 1
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const float x = state(i) + sums[i];
       state(i) = x;
       if constexpr (kSplit) state_tail(i) = tail_of(x);
     }
-    publish();
-  };
-  if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
-    // No A S reads the state here: it stays in registers, each chunk's sums added in float32 as
-    // add_to_state adds them (the same roundings), without S^T's stores, loads and barrier (a
-    // third of this launch's shared-memory stores), and is written as the segment's end below.
-    float total[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) total[i] = 0.f;  // (a state-only block starts from zero: load_start)
-    for (int64_t it = 0; it < chunks; ++it) {
-      float sums[32];
-      named_sync(kTFull);
-      SplitFragments bf;  // B^T's, from the staged B: the producer writes no B^T tiles for them
-      staged_fragments(bf, 3 * int(it % kDepth) + 1, true);
-      fence();
-      times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
-      commit();
-      wait<0>();
-      if (it + 1 < chunks) named_arrive(kTFree);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += sums[i];
+    if (it + 1 < chunks) {
+      wgmma::fence_shared_writes();  // (for the other's A S)
+      mbarrier_arrive(hand_off(other));
     }
-    store_segment_end(total);
-    return;
-  }
-  const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
-  for (int64_t it = 0; it < chunks; ++it) {
-    const bool more = it + 1 < chunks;  // the producer waits for this chunk's reads to end
-    const int slot = int(it % kDepth);
-    const uint32_t bt = tile(3 * slot + 1);
-    // score, out and the state's sums (see the file's comment): set by their first products
-    float score[32], out[32], sums[32];
-    named_sync(kAbFull);
-    SplitFragments af;
-    staged_fragments(af, 3 * slot, false);
-    fence();
-    times<kSplit>(score, RegisterOperand{af}, bt, tile(kBTail), false);  // A B^T
-    commit();
-    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), false);  // A S
-    commit();
-    wait<1>();  // the scores; A S may still run, behind P's construction
-    if (more) named_arrive(kAbFree);
-    // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of n-tile
-    // s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two shuffles
-    // bring both: lane j of the quad sends element j / 2 first and the other second, and an even
-    // lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2 + q4 / 2 (four
-    // shuffles, each a chosen element, were the same in twice the instructions).
-    SplitFragments pf;
-    const bool odd = q4 % 2, upper = q4 / 2;
-    const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
-#pragma unroll
-    for (int s = 0; s < 8; ++s)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-        const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
-        const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
-        const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
-        const int row = 16 * warp + g + 8 * h;
-        auto kept = [row](int column) { return kReverse ? column >= row : column <= row; };
-        pf.set(s, h, kept(8 * s + q4) ? (odd ? y : x) : 0.f);          // column q4
-        pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
-      }
-    SplitFragments bf;  // (from the staged B, there since kAbFull)
-    staged_fragments(bf, 3 * slot + 1, true);
-    wait<0>();  // A S
-    named_sync(kTFull);
-    fence();
-    times<kSplit>(sums, RegisterOperand{bf}, tile(kCtHead), tile(kCtTail), false);  // B^T Cc
-    commit();
-    times<kSplit>(out, RegisterOperand{pf}, tile(kCtHead), tile(kCtTail), true);  // += P Cc
-    commit();
-    wait<1>();  // the sums; P Cc may still run, behind the state's update
-    add_to_state(sums);
-    wait<0>();
-    if (more) named_arrive(kTFree);
 
     const int64_t t0 = chunk_begin(it);
-    const int n = work.chunk_len(t0, C), row = 16 * warp + g;
+    const int n = work.chunk_len(t0, C);
     float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
     auto stores = [&](auto store) {  // (no branches: each a predicated store)
@@ -472,10 +528,13 @@ __global__ void __launch_bounds__(2 * wgmma_tf32::kThreads, 1)
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
   }
-  float end[32];
+  // the segment's end: S after the last chunk, by the consumer that updated it (chunk 0's where none)
+  if (me == (chunks > 0 ? int((chunks - 1) % kConsumers) : 0)) {
+    float end[32];
 #pragma unroll
-  for (int i = 0; i < 32; ++i) end[i] = state(i);
-  store_segment_end(end);
+    for (int i = 0; i < 32; ++i) end[i] = state(i);
+    store_segment_end(end);
+  }
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
