@@ -4,6 +4,8 @@
 #
 #   bash benchmarks/gpu_check.sh                 # every stage
 #   STAGES="build tests" bash benchmarks/gpu_check.sh
+#   STAGES="build smoke tests" ...  # float32 fwd+bwd at 9 shapes under a watchdog first
+#                               # (benchmarks/smoke_float32.py), the suite only if it passes
 #   STAGES="build decode" ...   # the decoding-step benchmark
 #   STAGES="build diag" ...     # toolchain, and which bad inputs crash instead of raising (backtrace)
 #   STAGES="build tests bench" TESTS="tensorcore" BENCH_ARGS="--no-peers --families" ...
@@ -122,6 +124,12 @@ if has diag; then  # the toolchain and a native backtrace of any crashing error 
     "$debugger" -batch -ex run -ex bt --args python benchmarks/error_probe.py --case "$first" >"$OUT/crash_bt.log" 2>&1
     grep -E "^#" "$OUT/crash_bt.log" | head -30
   fi
+fi
+
+if has smoke; then  # float32's kernels at a few shapes under a watchdog: a deadlock fails here, in seconds
+  timeout "${SMOKE_TIMEOUT:-150}" python benchmarks/smoke_float32.py 2>&1 | tee "$OUT/smoke.log" | tail -12
+  smoke_rc=${PIPESTATUS[0]}
+  (( smoke_rc == 0 )) || { echo "smoke: failed (exit $smoke_rc; 124: the watchdog)"; exit 1; }
 fi
 
 if has tests; then
