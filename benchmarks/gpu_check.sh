@@ -43,7 +43,7 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fast_causal_attn_out}
 mkdir -p "$OUT"
-STAGES=${STAGES:-"build tests sanitize bench"}
+STAGES=${STAGES:-"build smoke tests sanitize bench"}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-16} PYTHONUNBUFFERED=1
 # a 9.0a build holds the wgmma kernel: its test then checks that the default path takes it
 [[ "$TORCH_CUDA_ARCH_LIST" == *9.0a* ]] && export FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
