@@ -244,7 +244,8 @@ struct Stager {
 // j, j + 2, ...) and a producer. One consumer on every chunk (to main 8f0f624) ran its ALU work
 // and its products one after the other: about 8300 cycles a chunk against 3072 for its wgmma
 // (H200 ncu, 8,16,2048,128, thirty-eighth session). Two let one consumer's loads, splits, P and
-// state update run while the other's products keep the tensor cores busy.
+// state update run while the other's products keep the tensor cores busy (that pass 550 -> 415
+// us; fwd+bwd 11-13% faster at every shape: RESULTS.md, thirty-ninth session).
 //  - A consumer's products of a chunk, each waited for before the next (the other consumer's
 //    fill the gaps): A B^T, P Cc and B^T Cc, which need no state, then A S, once the other
 //    consumer has added its chunk's sums to S (hand_off). It adds its own sums and hands S on. So
@@ -254,8 +255,9 @@ struct Stager {
 //    (cp.async) and writes B's tail and Cc^T (head and tail) there, announcing it (kFull + j);
 //    the consumer frees it (kFree + j) once it has read A again for A S, before its A S and the
 //    state's update, so that its next chunk is staged behind them.
-//  - Registers: 384 threads, 168 a thread; a consumer holds one operand's fragments at a time
-//    (A's, P's or B^T's: 64 registers, each product waited for), out and the sums (64).
+//  - Registers: 384 threads, 168 a thread at launch, the producer down to 96 and the consumers up
+//    to 200 (setmaxnreg); a consumer holds one operand's fragments at a time (A's, P's or B^T's:
+//    64 registers, each product waited for), out and the sums (64).
 // State-only blocks: the consumers sum alternate chunks' B^T Cc in registers, consumer 0 adds
 // consumer 1's total to its own at the end (two partial sums in a fixed order: the same sum on
 // every run).
