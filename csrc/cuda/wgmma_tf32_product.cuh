@@ -109,17 +109,9 @@ __device__ __forceinline__ float tail_of(float x) {
 #define FCA_TF32_D32_LIST                                                                                   \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-// d (64 x 64: wgmma_product.cuh's accumulator layout) += A B^T, k8, both K-major from shared
-// memory; accumulate = false: d = A B^T.
-__device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FCA_TF32_D32_LIST ", %32, %33, p, 1, 1;\n}\n"
-      : FCA_TF32_D32(d)
-      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
-}
-// The same with A from registers: a0 (row g, k q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4)
-// of the warp's 16 rows (CUTLASS's ALayout_64x8).
+// d (64 x 64: wgmma_product.cuh's accumulator layout) += A B^T, k8, B K-major from shared memory,
+// A from registers: a0 (row g, k q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4) of the warp's
+// 16 rows (CUTLASS's ALayout_64x8); accumulate = false: d = A B^T.
 __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
@@ -137,7 +129,7 @@ struct SplitFragments {
 };
 
 // d (+)= A B^T over K = 64, B a K-major tile (its head) with its tail `b_tail` (kTile bytes on
-// where the caller wrote it), A a K-major tile and its tail tile (a_head, a_tail) or registers.
+// where the caller wrote it), A in registers (RegisterOperand: its heads and tails).
 // Per k8 step the small terms first (the accumulators truncate); kSplit = false: the heads alone.
 template <bool kSplit, typename A>
 __device__ __forceinline__ void times(float (&d)[32], const A& a, uint32_t b_head_tile, uint32_t b_tail_tile,
@@ -153,13 +145,6 @@ __device__ __forceinline__ void times(float (&d)[32], const A& a, uint32_t b_hea
     a.head_times(d, s, k_step(b_head, s), kSplit || !first);
   }
 }
-struct TileOperand {  // A from shared memory: its head tile and its tail tile (their descriptors)
-  uint64_t head, tail;
-  __device__ TileOperand(uint32_t head_tile, uint32_t tail_tile)
-      : head(descriptor(head_tile)), tail(descriptor(tail_tile)) {}
-  __device__ void head_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_ss(d, k_step(head, s), b, acc); }
-  __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_ss(d, k_step(tail, s), b, acc); }
-};
 struct RegisterOperand {  // A from registers
   const SplitFragments& f;
   __device__ void head_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.head[s], b, acc); }
