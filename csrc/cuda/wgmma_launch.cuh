@@ -102,7 +102,7 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // 16, dq 0.026 -> 0.024; 2,4,8192,64 (8 pairs) 16 segments of 8 chunks stay (32 of 4: forward
 // 0.023 either way, fwd+bwd slower). dk and dv (121 and 210 KB) run one block a multiprocessor:
 // at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
-// 4); so does every float32 pass (176 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
+// 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
 inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
   using wgmma::C;
