@@ -45,7 +45,9 @@ bool device_runs_sm90a();
 //      8,16,2048,64  0.133 / 0.199, 0.643 / 0.723;  4,16,8192,64 (segments) 0.371 / 0.392, 1.355 / 1.418
 //      2,4,8192,64 (segments) 0.059 / 0.075, 0.248 / 0.274
 //    (its first form, one warpgroup doing the staging and the products, was as slow as mma.sync or
-//    slower: 0.213 ms at 8,16,2048,64; two warpgroups with their own roles, wgmma_tf32_product.cuh).
+//    slower: 0.213 ms at 8,16,2048,64; two warpgroups with their own roles, and since the
+//    thirty-ninth session two consumers on alternate chunks beside the producer:
+//    wgmma_tf32_product.cuh).
 // 16-bit: where they run they were the faster family at every shape measured, from one
 // (sequence, head) pair to 512 (H200, bfloat16, fwd / fwd+bwd ms, CUDA graph replay, wgmma
 // against mma.sync; RESULTS.md, seventeenth and eighteenth sessions):
@@ -204,8 +206,8 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // column tiles of 64 on one: their two passes run there only with FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0
   // (run_grad_kv), so one instance each width, not two. At four atoms, every pass, the state's
   // rows split between two warpgroups on column tiles of 64. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (for
-  // measuring): one warpgroup a block, column tiles of 64. float32: one warpgroup, column tiles of
-  // 64, and above 64 rows of the state up to four row tiles, one block each, summing their
+  // measuring): one warpgroup a block, column tiles of 64. float32: two consumer warpgroups on
+  // alternate chunks, column tiles of 64, and above 64 rows of the state up to four row tiles, one block each, summing their
   // outputs (RowTileSums).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
