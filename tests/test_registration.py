@@ -134,6 +134,35 @@ def test_torch_compile_inductor(device, L):
     assert_matches_eager(loss, torch.autograd.grad(loss, (q, k, v)), q, k, v)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_compiled_autograd(normalize, device):
+    """An eager forward and its backward run under compiled autograd (the backward called inside
+    torch.compile with torch._dynamo.config.compiled_autograd): the graph compiled autograd
+    captures holds the op's own autograd node, whose gradients are eager's. (A node written out by
+    hand rather than built by torch::autograd::Function had no compiled_args and raised here:
+    benchmarks/experiments/autograd_node.patch.)"""
+    from torch._dynamo.utils import counters
+
+    def loss_of(q, k, v):
+        return fast_causal_attn.causal_linear_attention(q.relu(), k.relu(), v, normalize=normalize).square().mean()
+
+    q, k, v = (x.requires_grad_() for x in op_inputs(device, "bhld", normalize))
+    eager_grads = torch.autograd.grad(loss_of(q, k, v), (q, k, v))
+    torch._dynamo.reset()
+    counters.clear()
+    loss = loss_of(q, k, v)
+
+    def backward():
+        loss.backward()
+
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(backward, backend="aot_eager")()
+    assert counters["compiled_autograd"]["captures"] == 1, dict(counters["compiled_autograd"])
+    for x, e in zip((q, k, v), eager_grads):
+        torch.testing.assert_close(x.grad, e)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 @segment_lengths
 def test_torch_compile_keeps_cuda_graphs(L):
