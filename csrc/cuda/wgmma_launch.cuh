@@ -207,8 +207,8 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // (run_grad_kv), so one instance each width, not two. At four atoms, every pass, the state's
   // rows split between two warpgroups on column tiles of 64. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (for
   // measuring): one warpgroup a block, column tiles of 64. float32: two consumer warpgroups on
-  // alternate chunks, column tiles of 64, and above 64 rows of the state up to four row tiles, one block each, summing their
-  // outputs (RowTileSums).
+  // alternate chunks, column tiles of 64, and above 64 rows of the state up to four row tiles,
+  // one block each, summing their outputs (RowTileSums).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
   const bool one_group = forced_groups && std::strcmp(forced_groups, "1") == 0;

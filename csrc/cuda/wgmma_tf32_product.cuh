@@ -298,7 +298,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       if (!state_only) stage.operator()<kReverse>(tile(set_tile(j, kA)), a_src, ops.a_rows().ptr, n);
       stage.operator()<kReverse>(tile(set_tile(j, kB)), b_src, ops.b_rows().ptr, n);
       stage.operator()<kReverse>(tile(set_tile(j, kC)), c_src, ops.c_rows().ptr, n);
-      wgmma::StageRing<2>::commit_copies();
+      wgmma::StageRing<>::commit_copies();
     };
     // a transposed tile, heads and tails (a warp: 32 consecutive timesteps, one row of the
     // transpose each; both the reads and the writes conflict-free)
