@@ -6,13 +6,10 @@
 #   bash benchmarks/ptxas_offline.sh                          # every pass, 3xTF32 and TF32
 #   PASSES="Forward GradK" SPLITS=true bash benchmarks/ptxas_offline.sh
 #
-# Needs nvcc and torch's headers (as sass_offline.sh).
+# Needs nvcc and torch's headers (benchmarks/offline_nvcc.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-shim=/tmp/sass_shim/c10/cuda/impl  # the CMake-generated header a pip torch lacks
-mkdir -p $shim && printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >$shim/cuda_cmake_macros.h
-includes=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")
-python_include=$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")
+source benchmarks/offline_nvcc.sh
 unit=csrc/cuda/zz_ptxas_offline.cu  # the explicit instances, removed after
 trap 'rm -f "$unit"' EXIT
 {
@@ -25,8 +22,8 @@ trap 'rm -f "$unit"' EXIT
   done
   echo '}}'
 } >"$unit"
-nvcc -std=c++17 -O3 -arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A -DFAST_CAUSAL_ATTN_WITH_CUDA -cubin -Xptxas -v -w \
-  -I/tmp/sass_shim $includes -I"$python_include" "$unit" -o /tmp/zz_ptxas_offline.cubin 2>&1 |
+nvcc -std=c++17 -O3 -arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A -cubin -Xptxas -v -w $offline_includes "$unit" \
+  -o /tmp/zz_ptxas_offline.cubin 2>&1 |
   grep -v C7519 | grep -E "C75|Compiling entry|spill|Used" | python -c "
 import re, sys
 passes = ['Forward', 'GradQ', 'GradK', 'GradV', 'GradKV']  # kernel_common.cuh's Pass

@@ -59,11 +59,7 @@ namespace fast_causal_attn { namespace cuda {
 $instance
 }}
 X
-shim=/tmp/sass_shim/c10/cuda/impl  # the CMake-generated header a pip torch lacks
-mkdir -p $shim && printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >$shim/cuda_cmake_macros.h
-includes=$(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")
-nvcc -std=c++17 -O3 $arch -cubin -lineinfo -w -I/tmp/sass_shim $includes \
-  -I"$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])")" -DFAST_CAUSAL_ATTN_WITH_CUDA \
-  "$unit" -o /tmp/sass_$tag.cubin
+source benchmarks/offline_nvcc.sh
+nvcc -std=c++17 -O3 $arch -cubin -lineinfo -w $offline_includes "$unit" -o /tmp/sass_$tag.cubin
 "$tool" -c -gi /tmp/sass_$tag.cubin >/tmp/sass_$tag.txt
 python benchmarks/sass_loop.py /tmp/sass_$tag.txt $source --kernel $kernel

@@ -11,7 +11,7 @@ import time
 import torch
 
 sys.path.insert(0, "tests")
-from reference import reference, relative_error  # noqa: E402
+from reference import make_inputs, reference, relative_error  # noqa: E402
 
 import fast_causal_attn as fca  # noqa: E402
 
@@ -24,10 +24,8 @@ def main():
     torch.manual_seed(0)
     worst = 0.0
     for B, H, L, E, M in SHAPES:
-        q, k = (torch.randn(B, H, L, E, device="cuda") / E ** 0.5 for _ in range(2))
-        v, grad_out = (torch.randn(B, H, L, M, device="cuda") for _ in range(2))
-        for t in (q, k, v):
-            t.requires_grad_(True)
+        q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda"))
+        grad_out = torch.randn_like(v)
         start = time.time()
         out = fca.causal_linear_attention(q, k, v)
         grads = torch.autograd.grad(out, (q, k, v), grad_out)
