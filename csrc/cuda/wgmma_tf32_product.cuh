@@ -16,12 +16,21 @@
 //
 //   A B^T     A: the staged tile's fragments in registers, split there; B: the staged tile
 //             (K = Da along its columns)
-//   A S       A: the staged tile's fragments again; B: the state's copy, written transposed
+//   A S       A: the same fragments, held since A B^T; B: the state's copy, written transposed
 //             each chunk (S^T: rows m, K = e along them)
-//   P Cc      A: the masked scores from their accumulators, shuffled into A fragments;
+//   P Cc      A: the masked scores from their accumulators as they are (below);
 //             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
 //   B^T Cc    A: B^T's fragments, read transposed from the staged B into registers and split
 //             there; B: Cc^T
+//
+// The two products over time take their K axis in a k-step order of their own: within each k8
+// step, k position p holds timestep 2 (p % 4) + p / 4 (timestep t at k_position(t) = t / 2 + 4
+// (t % 2)), in Cc^T as the producer writes it and in the A fragments alike (a k-step's sum is the
+// same sum in any order of its terms). In that order a lane's P fragments are its own score
+// accumulators (columns 2 q4 and 2 q4 + 1 of an n8 tile at k positions q4 and q4 + 4), where the
+// natural order took two shuffles and six selects a pair of them, and B^T's transposed loads fall
+// on 32 banks where they fell on 16 (the mma.sync kernel's float32 P takes the same order:
+// tensorcore_product.cuh's score_as_a and load_b_after_scores).
 //
 // so every shared-memory operand is a tile the producer writes (or the state's copy). 3xTF32
 // makes each product three: head x head + head x tail + tail x head (tail x tail dropped). A head
@@ -153,12 +162,19 @@ struct RegisterOperand {  // A from registers
 
 // Named barriers (0 is __syncthreads), each of two warpgroups (one arrives, the other waits)
 // unless kOwn: kFull + j, the producer's announcement that consumer j's set holds its next chunk;
-// kFree + j, consumer j's that it has read its set (the producer may stage into it); kOwn + w,
-// warpgroup w's own (w = kConsumers: the producer). The state passes from one consumer to the
+// kCopied + j, consumer j's that it has read the chunk's staged A and B (the producer may copy
+// the next chunk over them); kFree + j, that it has run the products that read the derived tiles
+// (the producer may write the next chunk's); kOwn + w, warpgroup w's own (w = kConsumers: the
+// producer). The state passes from one consumer to the
 // other through an mbarrier instead (each thread's arrive a release of its own writes, the
 // waiter's an acquire): across bar.arrive and bar.sync racecheck took the threads' reads and
 // writes of S for races.
-enum Barrier : int { kFull = 1, kFree = kFull + kConsumers, kOwn = kFree + kConsumers };
+enum Barrier : int {
+  kFull = 1,
+  kCopied = kFull + kConsumers,
+  kFree = kCopied + kConsumers,
+  kOwn = kFree + kConsumers
+};
 static_assert(kOwn + kConsumers < 16, "named barriers of a block");
 __device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) { wgmma::named_sync(id, threads); }
 __device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) { wgmma::named_arrive(id, threads); }
@@ -237,12 +253,14 @@ struct Stager {
 //    S passes between the consumers each chunk: one copy in shared memory, read and updated in
 //    chunk order, the hand-off (A S and the update) the only part of a chunk run in series.
 //  - Each consumer has its own set of tiles (SetTile): the producer stages the chunk into it
-//    (cp.async) and writes B's tail and Cc^T (head and tail) there, announcing it (kFull + j);
-//    the consumer frees it (kFree + j) once it has read A again for A S, before its A S and the
-//    state's update, so that its next chunk is staged behind them.
-//  - Registers: 384 threads, 168 a thread at launch, the producer down to 96 and the consumers up
-//    to 200 (setmaxnreg); a consumer holds one operand's fragments at a time (A's, P's or B^T's:
-//    64 registers, each product waited for), out and the sums (64).
+//    (cp.async) and writes B's tail and Cc^T (head and tail) there, announcing it (kFull + j).
+//    The consumer frees the staged A and B (kCopied + j) once it holds A's and B^T's fragments
+//    (B^T's loaded while P Cc runs), so that the next chunk's copies run behind its last
+//    products, and the derived tiles (kFree + j) once B^T Cc has run (the staged Cc is the
+//    producer's alone: transposed before the chunk is announced).
+//  - Registers: 384 threads, 168 a thread at launch, the producer down to 40 and the consumers up
+//    to 232 (setmaxnreg); a consumer holds A's fragments from A B^T to A S (64 registers), one
+//    other operand's at a time beside them (P's, then B^T's), out and the sums (64).
 // State-only blocks: the consumers sum alternate chunks' B^T Cc in registers, consumer 0 adds
 // consumer 1's total to its own at the end (two partial sums in a fixed order: the same sum on
 // every run).
@@ -283,7 +301,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   }
   __syncthreads();
   // registers: 168 a thread at launch (384 threads); the producer gives back what the consumers take
-  constexpr int kProducerRegisters = 96, kConsumerRegisters = 200;
+  constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
   static_assert(kConsumers * kConsumerRegisters + kProducerRegisters <= (kConsumers + 1) * 168, "the block's registers");
 
   if (group == kConsumers) {  // the producer
@@ -300,19 +318,29 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       stage.operator()<kReverse>(tile(set_tile(j, kC)), c_src, ops.c_rows().ptr, n);
       wgmma::StageRing<>::commit_copies();
     };
-    // a transposed tile, heads and tails (a warp: 32 consecutive timesteps, one row of the
-    // transpose each; both the reads and the writes conflict-free)
-    auto transpose = [&](int from, int head, int tail) {
-      const int s = tid % 64;
+    // a transposed tile, heads and tails, its time axis in the k-step order (timestep t at
+    // column k_position(t): the file's comment; a warp: 32 consecutive timesteps, one row of
+    // the transpose each; both the reads and the writes conflict-free). The addresses are
+    // offset_of's as a base of this thread's (read_at, write_at: the swizzle's bits in them) and
+    // a constant XOR and offset each, from the tiles' places made opaque each call (the 40
+    // addresses held across the loop took the producer's registers).
+    const int s_row = tid % 64, half = tid / 64;  // this thread's timestep; its columns' half (4 of 8)
+    const uint32_t read_at = 128 * s_row + 16 * (half ^ (s_row % 8));
+    // (offset_of(4 (half + 2 i) + e, k_position(s_row)))
+    const uint32_t write_at = 8192 * (s_row / 32) + 512 * half + 16 * ((2 * ((s_row % 32) / 8) + s_row % 2) ^ (4 * half)) +
+                              4 * ((s_row % 8) / 2);
+    auto transpose = [&](int from, int head) {  // head's tail: the tile after it
+      uint32_t in = uint32_t(from * kTile) + read_at, out = uint32_t(head * kTile) + write_at;
+      asm volatile("" : "+r"(in), "+r"(out));
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int group4 = tid / 64 + 2 * i;  // four columns
-        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + from * kTile + offset_of(s, 4 * group4));
+      for (int i = 0; i < 8; ++i) {  // columns 4 half + 8 i .. + 3
+        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + ((in ^ (32 * (i % 4))) + 8192 * (i / 4)));
         const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          word(head, 4 * group4 + e, s) = xs[e];
-          if constexpr (kSplit) word(tail, 4 * group4 + e, s) = tail_of(xs[e]);
+          float* const to = reinterpret_cast<float*>(wgmma_smem + ((out ^ (16 * e)) + 128 * e + 1024 * i));
+          to[0] = xs[e];
+          if constexpr (kSplit) to[kTile / 4] = tail_of(xs[e]);
         }
       }
     };
@@ -321,6 +349,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       const int j = int(it % kConsumers);
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
       named_sync(kOwn + kConsumers, kThreads);                 // every thread's
+      if (it >= kConsumers) named_sync(kFree + j);  // the chunk two before has run B^T Cc: its derived tiles free
       if (!state_only && kSplit) {  // B's tail, in its head's places (A's: the consumer's, in registers)
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
@@ -330,11 +359,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
               make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
         }
       }
-      transpose(set_tile(j, kC), set_tile(j, kCtHead), set_tile(j, kCtTail));
+      static_assert(kCtTail == kCtHead + 1, "Cc^T's tail after its head");
+      transpose(set_tile(j, kC), set_tile(j, kCtHead));
       wgmma::fence_shared_writes();  // (the cp.async copies and the derived tiles, to wgmma)
       named_arrive(kFull + j);
-      if (it + 1 < chunks) {  // the next chunk into its consumer's set, once it has read the chunk two before
-        if (it + 1 >= kConsumers) named_sync(kFree + (1 - j));
+      if (it + 1 < chunks) {  // the next chunk's copies, once its consumer holds the staged A and B of the chunk two before
+        if (it + 1 >= kConsumers) named_sync(kCopied + (1 - j));
         issue(it + 1);
       }
     }
@@ -350,21 +380,31 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // and writes the elements of an accumulator's layout: row e = 16 warp + g (+8), column m = m0 +
   // 8 j + 2 q4 (+1), element 4 j .. of a 32-float array (the same in both consumers: each element
   // passes between the two threads of one rank, hand_off ordering them).
-  auto state = [&](int i) -> float& {
-    return word(kStHead, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  // Its words' addresses: offset_of's as a base of this thread's (the swizzle's bits in it) and a
+  // constant XOR and offset each element, from the base made opaque where they are used
+  // (state_at(): held across the loop, the 64 addresses took the consumers' registers).
+  const uint32_t state_base =
+      kStHead * kTile + 8192 * (warp / 2) + 256 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ (2 * q4)) + 4 * (g % 4);
+  auto state_at = [&] {
+    uint32_t at = state_base;
+    asm volatile("" : "+r"(at));
+    return at;
   };
-  auto state_tail = [&](int i) -> float& {
-    return word(kStTail, 8 * (i / 4) + 2 * q4 + i % 2, 16 * warp + g + 8 * ((i % 4) / 2));
+  auto state = [&](uint32_t at, int i) -> float& {  // element i's head; its tail a tile on (kStTail)
+    return *reinterpret_cast<float*>(wgmma_smem + ((at ^ (16 * (2 * ((i % 4) / 2) + i % 2))) + 1024 * (i / 4) + 128 * (i % 2)));
   };
+  static_assert(kStTail == kStHead + 1, "S^T's tail after its head");
+  auto state_tail = [&](uint32_t at, int i) -> float& { return (&state(at, i))[kTile / 4]; };
   // A fragments of tile `which` (its rows 16 warp + g, + 8 and columns 8 s + q4, + 4 of k-step s;
-  // of its transpose where `transposed`), split into heads and tails here. Each warp's 32 loads
-  // of a k-step fall on 32 banks untransposed, on 16 (two ways) transposed. The addresses are
-  // offset_of's in two parts: a base of this thread's (x, y below; the swizzle's three bits hold
-  // g, or 4 (warp % 2) + g / 4 ^ q4) and what each load adds (a constant XOR on those bits, then
-  // constant bytes), from the tile's place made opaque each call: held across the loop, the 32
-  // addresses of each tile spilled.
+  // where `transposed`, of its transpose with time, now the K axis, in the k-step order: k
+  // positions q4 and q4 + 4 are timesteps 8 s + 2 q4 and + 1), split into heads and tails here.
+  // Each warp's 32 loads of a k-step fall on 32 banks. The addresses are offset_of's in two
+  // parts: a base of this thread's (x, y below; the swizzle's three bits hold g, or 4 (warp % 2)
+  // + g / 4 ^ 2 q4) and what each load adds (a constant XOR on those bits, then constant bytes),
+  // from the tile's place made opaque each call: held across the loop, the 32 addresses of each
+  // tile spilled.
   const uint32_t frag_x = 128 * (16 * warp + g) + 16 * g + 4 * q4;
-  const uint32_t frag_y = 8192 * (warp / 2) + 128 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ q4) + 4 * (g % 4);
+  const uint32_t frag_y = 8192 * (warp / 2) + 256 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ (2 * q4)) + 4 * (g % 4);
   auto staged_fragments = [&](SplitFragments& f, int which, bool transposed) {
     uint32_t at = uint32_t(which * kTile) + (transposed ? frag_y : frag_x);
     asm volatile("" : "+r"(at));
@@ -372,7 +412,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     for (int s = 0; s < 8; ++s)
 #pragma unroll
       for (int h = 0; h < 4; ++h) {
-        const uint32_t offset = transposed ? (at ^ (16 * (2 * (h % 2) + 4 * (h / 2)))) + 1024 * s + 512 * (h / 2)
+        const uint32_t offset = transposed ? (at ^ (16 * (2 * (h % 2) + h / 2))) + 1024 * s + 128 * (h / 2)
                                            : (at ^ (16 * (2 * (s % 4) + h / 2))) + 8192 * (s / 4) + 1024 * (h % 2);
         f.set(s, h, *reinterpret_cast<const float*>(wgmma_smem + offset));
       }
@@ -402,20 +442,25 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       float sums[32];
       named_sync(kFull + me);
       state_sums(sums);
-      if (it + kConsumers < chunks) named_arrive(kFree + me);
+      if (it + kConsumers < chunks) {  // (the staged B read, then B^T Cc run: both at once here)
+        named_arrive(kCopied + me);
+        named_arrive(kFree + me);
+      }
 #pragma unroll
       for (int i = 0; i < 32; ++i) total[i] += sums[i];
     }
     if (chunks > 1) {  // consumer 1's total to consumer 0 through S^T's (unused) place
       if (me == 1) {
+        const uint32_t at = state_at();
 #pragma unroll
-        for (int i = 0; i < 32; ++i) state(i) = total[i];
+        for (int i = 0; i < 32; ++i) state(at, i) = total[i];
         mbarrier_arrive(hand_off(0));
         return;
       }
       mbarrier_wait(hand_off(0), 0);
+      const uint32_t at = state_at();
 #pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += state(i);
+      for (int i = 0; i < 32; ++i) total[i] += state(at, i);
     }
     if (me == 0) store_segment_end(total);
     return;
@@ -424,10 +469,11 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   if (me == 0) {  // the segment's start into S, for chunk 0's A S
     float start[32];
     wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0, work.m0);
+    const uint32_t at = state_at();
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      state(i) = start[i];
-      if constexpr (kSplit) state_tail(i) = tail_of(start[i]);
+      state(at, i) = start[i];
+      if constexpr (kSplit) state_tail(at, i) = tail_of(start[i]);
     }
     wgmma::fence_shared_writes();
     named_sync(kOwn + me, kThreads);
@@ -437,8 +483,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   for (int64_t it = me; it < chunks; it += kConsumers) {
     named_sync(kFull + me);
     float score[32], out[32], sums[32];
+    SplitFragments bf;
+    SplitFragments af;  // held for A S
     {
-      SplitFragments af;
       staged_fragments(af, set_tile(me, kA), false);
       fence();
       times<kSplit>(score, RegisterOperand{af}, tile(set_tile(me, kB)), tile(set_tile(me, kBTail)), false);  // A B^T
@@ -446,49 +493,43 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       wait<0>();
     }
     {
-      // P = mask(scores) as A fragments: column c of k-step s sits in lane (g, c / 2 % 4) of
-      // n-tile s, element c % 2; this lane's are columns q4 (half 0) and q4 + 4 (half 1). Two
-      // shuffles bring both: lane j of the quad sends element j / 2 first and the other second,
-      // and an even lane reads half 0 first from lane q4 / 2, an odd one half 1 first from lane 2
-      // + q4 / 2 (four shuffles, each a chosen element, were the same in twice the instructions).
+      // P = mask(scores) as A fragments, straight from the accumulators: this lane holds
+      // columns 8 s + 2 q4 and + 1 of n-tile s, which in the k-step order are its k positions q4
+      // and q4 + 4 (the shuffles that brought columns q4 and q4 + 4 are gone).
       SplitFragments pf;
-      const bool odd = q4 % 2, upper = q4 / 2;
-      const int quad = lane & ~3, first = quad | (odd ? 2 + q4 / 2 : q4 / 2), second = quad | (odd ? q4 / 2 : 2 + q4 / 2);
 #pragma unroll
       for (int s = 0; s < 8; ++s)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-          const float e0 = score[4 * s + 2 * h], e1 = score[4 * s + 2 * h + 1];
-          const float x = __shfl_sync(0xffffffffu, upper ? e1 : e0, first);
-          const float y = __shfl_sync(0xffffffffu, upper ? e0 : e1, second);
           const int r = row + 8 * h;
           auto kept = [r](int column) { return kReverse ? column >= r : column <= r; };
-          pf.set(s, h, kept(8 * s + q4) ? (odd ? y : x) : 0.f);          // column q4
-          pf.set(s, h + 2, kept(8 * s + q4 + 4) ? (odd ? x : y) : 0.f);  // column q4 + 4
+          pf.set(s, h, kept(8 * s + 2 * q4) ? score[4 * s + 2 * h] : 0.f);              // k position q4
+          pf.set(s, h + 2, kept(8 * s + 2 * q4 + 1) ? score[4 * s + 2 * h + 1] : 0.f);  // q4 + 4
         }
       fence();
       times<kSplit>(out, RegisterOperand{pf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);  // P Cc
       commit();
+      staged_fragments(bf, set_tile(me, kB), true);  // B^T's, while P Cc runs
       wait<0>();
     }
-    state_sums(sums);  // B^T Cc
-    {
-      SplitFragments af;  // A's again (held since A B^T, they would have doubled the peak registers)
-      staged_fragments(af, set_tile(me, kA), false);
-      if (it + kConsumers < chunks) named_arrive(kFree + me);  // the set read: chunk it + 2 may come
-      // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
-      if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
-      fence();
-      times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), true);  // += A S
-      commit();
-      wait<0>();
-    }
+    if (it + kConsumers < chunks) named_arrive(kCopied + me);  // A's and B^T's fragments held: chunk it + 2's copies may come
+    fence();
+    times<kSplit>(sums, RegisterOperand{bf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);  // B^T Cc
+    commit();
+    // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
+    if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
+    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), true);  // += A S
+    commit();
+    wait<1>();  // B^T Cc: the derived tiles read, chunk it + 2's may come
+    if (it + kConsumers < chunks) named_arrive(kFree + me);
+    wait<0>();
     // S += the sums, rounded in float32, handed to the other consumer for chunk it + 1
+    const uint32_t at = state_at();
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
-      const float x = state(i) + sums[i];
-      state(i) = x;
-      if constexpr (kSplit) state_tail(i) = tail_of(x);
+      const float x = state(at, i) + sums[i];
+      state(at, i) = x;
+      if constexpr (kSplit) state_tail(at, i) = tail_of(x);
     }
     if (it + 1 < chunks) {
       wgmma::fence_shared_writes();  // (for the other's A S)
@@ -518,8 +559,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // the segment's end: S after the last chunk, by the consumer that updated it (chunk 0's where none)
   if (me == (chunks > 0 ? int((chunks - 1) % kConsumers) : 0)) {
     float end[32];
+    const uint32_t at = state_at();
 #pragma unroll
-    for (int i = 0; i < 32; ++i) end[i] = state(i);
+    for (int i = 0; i < 32; ++i) end[i] = state(at, i);
     store_segment_end(end);
   }
 #else
