@@ -22,7 +22,7 @@ trap 'rm -f "$unit"' EXIT
   done
   echo '}}'
 } >"$unit"
-nvcc -std=c++17 -O3 -arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A -cubin -Xptxas -v -w $offline_includes "$unit" \
+nvcc $offline_std -O3 -arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A -cubin -Xptxas -v -w $offline_includes "$unit" \
   -o /tmp/zz_ptxas_offline.cubin 2>&1 |
   grep -v C7519 | grep -E "C75|Compiling entry|spill|Used" | python -c "
 import re, sys

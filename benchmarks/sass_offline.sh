@@ -60,6 +60,6 @@ $instance
 }}
 X
 source benchmarks/offline_nvcc.sh
-nvcc -std=c++17 -O3 $arch -cubin -lineinfo -w $offline_includes "$unit" -o /tmp/sass_$tag.cubin
+nvcc $offline_std -O3 $arch -cubin -lineinfo -w $offline_includes "$unit" -o /tmp/sass_$tag.cubin
 "$tool" -c -gi /tmp/sass_$tag.cubin >/tmp/sass_$tag.txt
 python benchmarks/sass_loop.py /tmp/sass_$tag.txt $source --kernel $kernel
