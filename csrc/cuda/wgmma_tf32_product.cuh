@@ -131,6 +131,13 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
 #undef FCA_TF32_D32
 #undef FCA_TF32_D32_LIST
 
+// at[0], at[1] += x, y as one vector reduction (red.global.add.v2.f32, sm_90): atomicAdd's float2
+// form made its 64-bit address again before each one (11 instructions a reduction against a
+// store's 3). Like atomicAdd on float, it flushes subnormal sums to zero.
+__device__ __forceinline__ void add_pair(float* at, float x, float y) {
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
+}
+
 // An A operand in registers, K = 64 (eight k8 steps), split into heads and tails.
 struct SplitFragments {
   uint32_t head[8][4], tail[8][4];
@@ -540,18 +547,26 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     const int n = work.chunk_len(t0, C);
     float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
-    auto stores = [&](auto store) {  // (no branches: each a predicated store)
+    // a whole chunk of whole columns (every chunk but a sequence's last, wherever Dc is a multiple
+    // of 64) stores without a test; the rest each element behind its own (a predicated store, a
+    // branch around a reduction)
+    auto stores = [&](auto store) {
+      auto each = [&](auto inside) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+        for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (row + 8 * h < n && 8 * j + 2 * q4 < work.cols) {  // cols: a multiple of 4
-            store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
+          for (int j = 0; j < 8; ++j) {
+            if (inside(h, j)) store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
           }
-        }
+      };
+      if (n == C && work.cols == C) {
+        each([](int, int) { return true; });
+      } else {  // (cols: a multiple of 4)
+        each([&](int h, int j) { return row + 8 * h < n && 8 * j + 2 * q4 < work.cols; });
+      }
     };
     if (row_tiles > 1) {  // two row tiles' sums into a zeroed buffer: 0 + x + y, either order alike
-      stores([](float* at, float x, float y) { atomicAdd(reinterpret_cast<float2*>(at), make_float2(x, y)); });
+      stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
