@@ -356,6 +356,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       const int j = int(it % kConsumers);
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
       named_sync(kOwn + kConsumers, kThreads);                 // every thread's
+      // The next chunk's copies, once its consumer holds the staged A and B of the chunk two before.
+      // State-only blocks issue them first, so that they land while this chunk's tiles are derived:
+      // issued after those, the copies' latency stood between every two chunks of this warpgroup's,
+      // which paces a launch whose consumers run one product a chunk. The pass issues them last: its
+      // consumers release the staged tiles only halfway through their chunk (after P Cc), and a
+      // producer that waited for that before deriving the next chunk's tiles would lengthen the
+      // chain that announces each chunk.
+      auto next_copies = [&] {
+        if (it + 1 < chunks) {
+          if (it + 1 >= kConsumers) named_sync(kCopied + (1 - j));
+          issue(it + 1);
+        }
+      };
+      if (state_only) next_copies();
       if (it >= kConsumers) named_sync(kFree + j);  // the chunk two before has run B^T Cc: its derived tiles free
       if (!state_only && kSplit) {  // B's tail, in its head's places (A's: the consumer's, in registers)
 #pragma unroll
@@ -370,10 +384,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       transpose(set_tile(j, kC), set_tile(j, kCtHead));
       wgmma::fence_shared_writes();  // (the cp.async copies and the derived tiles, to wgmma)
       named_arrive(kFull + j);
-      if (it + 1 < chunks) {  // the next chunk's copies, once its consumer holds the staged A and B of the chunk two before
-        if (it + 1 >= kConsumers) named_sync(kCopied + (1 - j));
-        issue(it + 1);
-      }
+      if (!state_only) next_copies();
     }
     return;
   }
@@ -428,14 +439,19 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
                      Da, Dc, work.k0, work.m0);
   };
-  // d = B^T Cc of consumer me's chunk (B^T's fragments read transposed from the staged B)
-  auto state_sums = [&](float (&d)[32]) {
+  // d = B^T Cc of consumer me's chunk it (B^T's fragments read transposed from the staged B),
+  // the staged A and B released to the producer once read (the next copies may come while the
+  // product runs), the derived tiles once it has run
+  auto state_sums = [&](float (&d)[32], int64_t it) {
     SplitFragments bf;
     staged_fragments(bf, set_tile(me, kB), true);
+    const bool more = it + kConsumers < chunks;
+    if (more) named_arrive(kCopied + me);
     fence();
     times<kSplit>(d, RegisterOperand{bf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);
     commit();
     wait<0>();
+    if (more) named_arrive(kFree + me);
   };
 
   if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
@@ -448,11 +464,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     for (int64_t it = me; it < chunks; it += kConsumers) {
       float sums[32];
       named_sync(kFull + me);
-      state_sums(sums);
-      if (it + kConsumers < chunks) {  // (the staged B read, then B^T Cc run: both at once here)
-        named_arrive(kCopied + me);
-        named_arrive(kFree + me);
-      }
+      state_sums(sums, it);
 #pragma unroll
       for (int i = 0; i < 32; ++i) total[i] += sums[i];
     }
