@@ -136,6 +136,7 @@ if has tests; then
   python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 --durations=20 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
     tee "$OUT/pytest_cuda.log" | tail -40
   status=$(( status | $? ))
+  echo "tests: $(tail -1 "$OUT/pytest_cuda.log")" >>"$OUT/summary.txt"
 fi
 
 if has sanitize; then
@@ -170,9 +171,11 @@ if has sanitize; then
       [[ -f "$rc_file" ]] || continue
       log=${rc_file%.rc}.log
       rc=$(cat "$rc_file")
-      echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(grep -E "passed|failed|error|no tests ran" "$log" | tail -1)"
-      # a failing run's pytest summary (a failed assertion, no test selected) beside the reports
-      [[ "$rc" != 0 ]] && grep -E "^(E |FAILED|ERROR)|no tests ran|deselected" "$log" | head -12
+      {
+        echo "compute-sanitizer $(basename "${rc_file%.rc}" | sed 's/^sanitize_//'): rc=$rc, $(grep -c -E '^=========.*(Invalid|Race|Error)' "$log") reports; $(grep -E "passed|failed|error|no tests ran" "$log" | tail -1)"
+        # a failing run's pytest summary (a failed assertion, no test selected) beside the reports
+        [[ "$rc" != 0 ]] && grep -E "^(E |FAILED|ERROR)|no tests ran|deselected" "$log" | head -12
+      } | tee -a "$OUT/summary.txt"
       status=$(( status | rc ))
     done
   }
@@ -239,7 +242,7 @@ if has launches; then  # each launch's duration, DRAM traffic and tensor-pipe us
     ncu --clock-control none --metrics gpu__time_duration.sum,dram__bytes.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,launch__grid_size,sm__warps_active.avg.pct_of_peak_sustained_active,sm__ops_path_tensor_src_bf16_dst_fp32.sum.pct_of_peak_sustained_elapsed \
       python benchmarks/profile_kernels.py $case_ 2>&1 | tee "$OUT/launches_$(echo "$case_" | tr ' ' '_').log" |
       grep -E "^  [a-z_:]+.*\(|gpu__time|dram__bytes|dram__through|grid_size|warps_active|tensor_src" |
-      sed -E 's/\(fast_causal_attn::(cuda::)?KernelParams.*//; s/^ +//'
+      sed -E 's/\(fast_causal_attn::(cuda::)?KernelParams.*//; s/^ +//' | cut -c1-160
   done
 fi
 
@@ -302,4 +305,7 @@ if has decode; then
   FAST_CAUSAL_ATTN_KERNEL=chunked python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode_chunked.log" | tail -8
   status=$(( status | $? ))
 fi
+# the tests' and sanitizers' outcomes again last, where later stages' output would push them out of
+# the reply's tail
+[[ -f "$OUT/summary.txt" ]] && { echo "== summary"; cat "$OUT/summary.txt"; }
 exit $status
