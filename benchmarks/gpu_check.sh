@@ -219,7 +219,7 @@ if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd d
   # the SASS page is tens of MB (more than a call brings back): kept on the machine, summarized
   ncu -i "/tmp/$name.ncu-rep" --page source --csv --print-source sass >"/tmp/${name}_sass.csv" 2>&1
   python benchmarks/sass_summary.py "/tmp/${name}_sass.csv" >"$OUT/${name}_sass_summary.txt" 2>&1
-  head -45 "$OUT/${name}_sass_summary.txt"
+  head -60 "$OUT/${name}_sass_summary.txt"
   grep -E "$kernel|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Grid Size|Warp Cycles Per Issued" \
     "$OUT/$name.txt" | head -40
   for segments in "" 1 2; do  # the same launches by segment count (default, 1, 2), durations only
