@@ -49,6 +49,9 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
 [[ "$TORCH_CUDA_ARCH_LIST" == *9.0a* ]] && export FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# the tests' and sanitizers' outcomes, printed again at the end (a later invocation in the same
+# call that runs neither prints this one's)
+if has tests || has sanitize; then : >"$OUT/summary.txt"; fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
