@@ -270,7 +270,8 @@ struct Stager {
 //    other operand's at a time beside them (P's, then B^T's), out and the sums (64).
 // State-only blocks: the consumers sum alternate chunks' B^T Cc in registers, consumer 0 adds
 // consumer 1's total to its own at the end (two partial sums in a fixed order: the same sum on
-// every run).
+// every run). They free the staged B as soon as they have read its fragments, and the producer
+// issues the next chunk's copies before it derives this chunk's tiles (its loop says why).
 template <Pass P, bool kSplit>
 __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
