@@ -110,8 +110,11 @@ def extension():
     )
 
 
-setup(
-    ext_modules=[extension()],
-    cmdclass={"build_ext": BuildExtension},
-    options={"bdist_wheel": {"py_limited_api": "cp39"}},
-)
+# (setuptools runs this file as __main__; the tests and benchmarks/offline_nvcc.sh import it for
+# cxx_standard, without building)
+if __name__ == "__main__":
+    setup(
+        ext_modules=[extension()],
+        cmdclass={"build_ext": BuildExtension},
+        options={"bdist_wheel": {"py_limited_api": "cp39"}},
+    )

@@ -5,5 +5,5 @@ shim=/tmp/sass_shim/c10/cuda/impl  # the CMake-generated header a pip torch lack
 mkdir -p $shim && printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' >$shim/cuda_cmake_macros.h
 offline_includes="-I/tmp/sass_shim $(python -c "import torch.utils.cpp_extension as c; print(' '.join('-I' + p for p in c.include_paths()))")"
 offline_includes+=" -I$(python -c "import sysconfig; print(sysconfig.get_paths()['include'])") -DFAST_CAUSAL_ATTN_WITH_CUDA"
-# the C++ standard the installed torch's headers need (setup.py's rule: 20 from torch 2.14 on)
-offline_std=$(python -c "import torch; v = tuple(int(x) for x in torch.__version__.split('.')[:2]); print('-std=c++20' if v >= (2, 14) else '-std=c++17')")
+# the C++ standard the installed torch's headers need: setup.py's own rule (C++20 from torch 2.14 on)
+offline_std=$(python -c "import sys; sys.path.insert(0, '.'); from setup import cxx_standard; print(cxx_standard())")

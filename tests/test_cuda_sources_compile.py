@@ -4,6 +4,7 @@ on a machine with no GPU (CI): nvcc against the installed torch's headers. Skipp
 no nvcc."""
 import concurrent.futures
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -11,17 +12,21 @@ import sysconfig
 import tempfile
 
 import pytest
-import torch
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES = sorted(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))
 
 
-def cxx_standard():
-    """As setup.py: C++20 from torch 2.14 on, whose headers refuse older."""
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return "-std=c++20" if (major, minor) >= (2, 14) else "-std=c++17"
+def _setup_module():
+    """setup.py as a module (its setup() runs only as __main__): its build rules, not a copy."""
+    spec = importlib.util.spec_from_file_location("fast_causal_attn_setup", os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+cxx_standard = _setup_module().cxx_standard  # C++20 from torch 2.14 on, whose headers refuse older
 
 
 def nvcc_path():
