@@ -30,7 +30,7 @@ passes = ['Forward', 'GradQ', 'GradK', 'GradV', 'GradKV']  # kernel_common.cuh's
 for line in sys.stdin:
     kernel = re.search(r'Compiling entry.*PassE(\d)ELb(\d)E', line)
     if kernel:
-        print('wgmma_tf32_product_kernel<%s, %s>' % (passes[int(kernel[1])], '3xTF32' if kernel[2] == '1' else 'TF32'))
+        print('wgmma_tf32_product_kernel<%s, %s>' % (passes[int(kernel[1])], 'heads and tails' if kernel[2] == '1' else 'heads'))
     else:
         print('   ', line.replace('ptxas info    : ', '').strip())
 "

@@ -515,8 +515,9 @@ def test_float32_head_dim_256_takes_the_measured_families(wave, device, monkeypa
 @pytest.mark.parametrize("kernel", ["tensorcore", None], ids=["mma.sync", "default"])
 def test_float32_on_tensor_cores_follows_torch_tf32_setting(kernel, allow_tf32, device, use_kernel, monkeypatch):
     """float32 on the tensor-core kernels (mma.sync forced, or the default: the wgmma kernel on
-    sm_90a builds) is exact float32 (3xTF32) unless the user has allowed TF32 for float32 matmuls,
-    as torch.matmul does; then one TF32 product a step, TF32-level error."""
+    sm_90a builds) is exact float32 (3xTF32 on mma.sync, float16 heads and tails on wgmma) unless
+    the user has allowed TF32 for float32 matmuls, as torch.matmul does; then one product a step of
+    the heads alone, TF32-level error."""
     use_kernel(kernel)
     q, k, v = make_inputs(2, 3, 500, 64, 64, dtype=torch.float32, device=device)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)

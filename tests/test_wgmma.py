@@ -1,7 +1,8 @@
 """The wgmma kernels (csrc/cuda/wgmma_product.cuh: bfloat16 and float16, each pass alone for E and
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
-E and M up to 256 (above 64 in row and column tiles of 64), 3xTF32 or TF32 where allowed; no
+E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
+or the heads alone where TF32 is allowed; no
 normalize, no states in or out; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
@@ -429,7 +430,7 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
 
 
 def tf32_kernels(names):
-    """The float32 wgmma kernels launched, as (pass, 3xTF32) pairs."""
+    """The float32 wgmma kernels launched, as (pass, heads and tails) pairs."""
     return {(n[n.index("Pass)") + 5], "true" in n[n.index("Pass)"):]) for n in names if "wgmma_tf32_product_kernel" in n}
 
 
@@ -440,7 +441,7 @@ def tf32_kernels(names):
 def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     """float32 at E = M = 64: at any count of pairs and length every pass runs on the float32 wgmma
     kernel (the forward, dq, and dk and dv as two reverse passes: Pass 0-3; 2048 steps on 6 pairs
-    in time segments), 3xTF32, or TF32 alone where the user allowed it (torch's flag), no mma.sync
+    in time segments), heads and tails, or the heads alone where the user allowed TF32 (torch's flag), no mma.sync
     kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off. At E = M = 128, and at E = 128 with M = 64, every
     pass runs on it too (the state's rows in two row tiles, their outputs summed), and so it does
     above 128 (up to four row tiles: 256, 200 with a partial one, 136 with three)."""
@@ -594,3 +595,33 @@ def test_float32_state_heads_and_tails(shape, segments, head, monkeypatch):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda")
     check_against_reference(q, k, v, scale=0.9, normalize=False, layout="bhld")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 2, 1000, 128, 128)], ids=shape_id)
+def test_float32_magnitudes_spread_within_a_tile(shape):
+    """float32 with magnitudes spread 2^20 inside each 64 x 64 tile: q's rows (timesteps), k's and
+    v's columns each from 1 down to 2^-20. The output's element (t, m) is q's row scale times v's
+    column scale times an unscaled output, and dq's (t, e) k's column scale times an unscaled one:
+    each divided by its scales, within 1e-5 of float64, so the small rows and columns are as exact
+    as the large (the float32 wgmma kernel scales each tile by one power of two: an element 2^-k
+    below its tile's largest keeps 2^(k - 39) of itself, wgmma_tf32_product.cuh). dk and dv
+    norm-wise."""
+    B, H, L, E, M = shape
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float64, device="cpu")
+    spread = lambda n: torch.pow(2.0, -20.0 * torch.arange(n, dtype=torch.float64) / (n - 1))
+    rows = spread(64).repeat(L // 64 + 1)[:L].view(L, 1)  # each chunk's timesteps, 1 ... 2^-20
+    q, k, v = q * rows, k * spread(E), v * spread(M)
+    q, k, v = (x.to(device="cuda", dtype=torch.float32).requires_grad_() for x in (q, k, v))
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=False, scale=1.0)
+    grad_out = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad(out, (q, k, v), grad_out.to(device="cuda", dtype=torch.float32))
+    exact = reference_with_grads(q, k, v, grad_out, normalize=False, scale=1.0)
+    out_scales = rows * spread(M)
+    assert relative_error(out.cpu() / out_scales, exact[0] / out_scales) <= 1e-5, "out"
+    assert relative_error(grads[0].cpu() / spread(E), exact[1] / spread(E)) <= 1e-5, "grad_q"
+    for name, x, ref in zip(("grad_k", "grad_v"), grads[1:], exact[2:]):
+        assert relative_error(x, ref) <= 1e-5, name

@@ -44,8 +44,9 @@ struct KernelParams : BackwardParams {
   // With two buffers, the state-only launch of 16-bit inputs may keep two chunks on their way in
   // three slots (see tensorcore_product_kernel); false keeps one, for measuring.
   bool deep_state_staging = true;
-  // float32 products may take their operands' TF32 heads alone (instead of 3xTF32): only when the user
-  // allowed TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
+  // float32 products may take their operands' heads alone (TF32's on mma.sync, instead of 3xTF32;
+  // float16's of the scaled tiles on wgmma, instead of heads and tails): only when the user allowed
+  // TF32 for float32 matmuls (torch.backends.cuda.matmul.allow_tf32), as torch.matmul does.
   bool tf32 = false;
 
   // Head dims above the largest bucket split the state's rows into slabs, one block each; the

@@ -225,7 +225,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const auto kernel = [atoms, groups, wide, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
-      // 3xTF32, or TF32 where the user allowed it
+      // float16 heads and tails, or the heads alone where the user allowed TF32
       return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
     } else if constexpr (P == Pass::GradKV) {
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;

@@ -1,70 +1,38 @@
 // Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
-// reverse passes (where run_grad_kv takes them), in 3xTF32 (float32-accurate; the heads alone
-// where the user allowed TF32, KernelParams::tf32), without normalize: wgmma_product.cuh's
-// products, per chunk of C = 64 timesteps
+// reverse passes (where run_grad_kv takes them), float32-accurate from float16 parts (the heads
+// alone where the user allowed TF32, KernelParams::tf32), without normalize: per chunk of C = 64
+// timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
-// in 96 m64n64k8 instructions where the mma.sync kernel issues about 1500 and their loads (H200,
-// 8,16,2048,64 forward kernel: 0.133 ms against the mma.sync kernel's 0.199; RESULTS.md, nineteenth
-// session). One block a (sequence, head, time segment), three warpgroups: a producer that stages
-// the chunks and writes the operands below, two consumers that run the products of alternate
-// chunks (see the kernel).
+// EXPERIMENT (halves): each float32 tile x, scaled by a power of two 2^k so that its largest
+// magnitude lies in [2^14, 2^15), is split into a float16 head h = fp16(x 2^k) and tail t =
+// fp16(x 2^k - h): 22 significant bits, as 3xTF32's head and tail. Each product is three float16
+// wgmma (head x head + head x tail + tail x head, the small terms first) at twice TF32's rate, on
+// tiles half as large: m64n64k16, K = 64 in four steps where 3xTF32 took eight.
 //
-// TF32 wgmma reads its shared-memory operands K-major only (no transposed view, as 16-bit wgmma
-// has), so each product takes its operands as follows:
+// The scales, each exact (powers of two): one a tile for A16, B16, Cc16 (2^α, 2^β, 2^γ) and the
+// state's copy S16 (2^σ), one a row for P (2^p_r, in registers). With one scale a tile the scales
+// lie outside every product, also along K:
+//   A B^T     scores' = 2^(α + β) scores
+//   P Cc      P = mask(scores') 2^p_r (its row's largest in [2^14, 2^15)): 2^(α + β + p_r + γ) P Cc
+//   B^T Cc    B16 read transposed (MN-major A: 16-bit wgmma takes it so): 2^(β + γ) B^T Cc
+//   A S       2^(α + σ) A S
+// P Cc and A S go to accumulators of their own, scaled back where the output is stored. A tile's
+// element 2^-k below the tile's largest keeps 2^(k - 39) of itself (float16's subnormals are 2^-24
+// apart, the largest scaled to 2^14): within 1e-5 for k <= 22, a spread inside one 64 x 64 tile
+// far past any data's (tests/test_wgmma.py checks 2^-20 by columns and rows).
 //
-//   A B^T     A: the staged tile's fragments in registers, split there; B: the staged tile
-//             (K = Da along its columns)
-//   A S       A: the same fragments, held since A B^T; B: the state's copy, written transposed
-//             each chunk (S^T: rows m, K = e along them)
-//   P Cc      A: the masked scores from their accumulators as they are (below);
-//             B: Cc^T, written from the staged Cc each chunk (rows m, K = time along them)
-//   B^T Cc    A: B^T's fragments, read transposed from the staged B into registers and split
-//             there; B: Cc^T
+// The pipeline: a producer warpgroup only copies (cp.async), into a ring of kSlots chunk slots,
+// each slot's mbarrier completing when the copies have landed; two consumers on alternate chunks
+// each derive their chunk's float16 tiles in place (a float32 tile's 16 KB hold its head and tail),
+// run the products and release the slot. Deriving in the consumers, which wait on the state's
+// hand-off most of a chunk, leaves the producer nothing but copies, kSlots - 1 chunks ahead (the
+// second version derived in the producer, two slots of staged and derived tiles, and was paced by
+// the producer's chain: its copies one chunk ahead, its derivation, its waits on the consumers).
 //
-// The two products over time take their K axis in a k-step order of their own: within each k8
-// step, k position p holds timestep 2 (p % 4) + p / 4 (timestep t at k_position(t) = t / 2 + 4
-// (t % 2)), in Cc^T as the producer writes it and in the A fragments alike (a k-step's sum is the
-// same sum in any order of its terms). In that order a lane's P fragments are its own score
-// accumulators (columns 2 q4 and 2 q4 + 1 of an n8 tile at k positions q4 and q4 + 4), where the
-// natural order took two shuffles and six selects a pair of them, and B^T's transposed loads fall
-// on 32 banks where they fell on 16 (the mma.sync kernel's float32 P takes the same order:
-// tensorcore_product.cuh's score_as_a and load_b_after_scores).
-//
-// so every shared-memory operand is a tile the producer writes (or the state's copy). 3xTF32
-// makes each product three: head x head + head x tail + tail x head (tail x tail dropped). A head
-// is the float32 operand as it is (the tensor core ignores its 13 low bits: it truncates to TF32),
-// a tail x - trunc(x) (exact in float32; tensorcore_product.cuh's split), written beside the
-// staged tiles each chunk (B's tail, Cc^T's, S^T's) or kept in registers (A's, B^T's and P's). The kernel is bound by
-// shared memory's bandwidth (H200 ncu, 1,16,32768,128: L1 76% busy, issue slots 25%, thirty-fifth
-// session): A and B^T in registers spare their products' wgmma reads of them (48 KB a product) and
-// the stores of three derived tiles (A's tail, B^T's head and tail: 48 KB a chunk).
-//
-// The tensor cores add into their accumulators without rounding to nearest: with S accumulated in
-// them, the prototype's error grew with the chunks summed (1.6e-6 at L = 64, 2.2e-5 at 4097, H200,
-// nineteenth session; the mma.sync kernel met the same, tensorcore_product.cuh). So each chunk's
-// B^T Cc goes to fresh accumulators and is added to S in float32; S itself lives in shared memory
-// (S^T's head is the float32 state), which keeps 32 registers free.
-//
-// Tiles are 64 x 64 float32 (16 KB) in wgmma's 128-byte swizzle: two atoms of 32 columns, 8 KB
-// apart; element (r, c) of an atom at 128 r + 16 ((c / 4) ^ (r % 8)) + 4 (c % 4) bytes; a k8 step
-// moves the start address 32 bytes. Shared memory: each consumer's chunk, A, B and Cc as staged
-// by cp.async and its three derived tiles (96 KB), and S^T's two (32 KB): 224 KB, one block a
-// multiprocessor.
-//
-// A block holds 64 of the state's rows (Da: a's and b's columns) and 64 of its columns (Dc). Wider
-// states run in column tiles (each block its own outputs) and, up to 256 rows, in up to four row
-// tiles: causal linear attention is a sum over the state's rows (O = sum over e of the products of
-// q's and k's column e), so each row tile's block is a problem of its own, with its own part of
-// the state. Row tiles 0 and 1 add their outputs into the zeroed output, 2 and 3 into a zeroed
-// buffer that is added to it after the pass (atomics: 0 + x + y rounds as 0 + y + x, so each sum
-// repeats bit for bit, where three or four addends in the order the blocks finish would not; they
-// flush subnormal sums, below 1.2e-38, to zero). Tiles of the full 128 rows would not fit: 384 KB.
-//
-// Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments
-// and their scan, SegmentStart / SegmentEnd, launch_wgmma), so the two families plan and segment
-// alike.
+// Shared memory: kSlots slots of A, B, Cc (48 KB each), the state's float32 master (each consumer
+// thread its own 32 elements, the accumulator layout) and S16's head and tail: 224 KB.
 #pragma once
 
 #include "wgmma_product.cuh"
@@ -76,60 +44,88 @@ namespace wgmma_tf32 {
 constexpr int C = 64;               // timesteps a chunk; the state's rows and columns, zero-padded
 constexpr int kThreads = 128;       // a warpgroup (a block: two consumers' and the producer's)
 constexpr int kConsumers = 2;       // consumer warpgroups, on alternate chunks
+constexpr int kSlots = 4;           // chunks staged: chunk it in slot it % kSlots
 constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
-// A consumer's set of tiles (consumer j's at j * kSetTiles on): its chunk as staged (A, B, Cc),
-// B's tail, Cc^T's head and tail. Then the state's copy S^T, head and tail, which both read.
-enum SetTile : int { kA, kB, kC, kBTail, kCtHead, kCtTail, kSetTiles };
-enum Tiles : int { kStHead = kConsumers * kSetTiles, kStTail, kTileCount };
-// After the tiles, the state's two hand-off mbarriers (consumer j waits on its own: see kFull).
-constexpr size_t kHandOffs = size_t(kTileCount) * kTile;
-constexpr size_t kSmemBytes = kHandOffs + kConsumers * sizeof(uint64_t);
+constexpr int kHalfTile = 64 * 64 * 2;  // bytes of a 64 x 64 float16 tile (one atom)
+// A slot: A, B, Cc as staged (float32), then as derived (float16: head at the tile, tail kHalfTile on)
+constexpr int kSlotBytes = 3 * kTile;
+constexpr int kA = 0, kB = kTile, kCc = 2 * kTile;
+// The state: its float32 master, then S16's head and tail.
+constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kTile;
+// Then each consumer's warps' largest |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's
+// published σ (its biased exponent), the mbarriers: hand_off (kConsumers), full and empty (kSlots each).
+constexpr int kWarpMax = kS16 + 2 * kHalfTile;
+constexpr int kSigma = kWarpMax + kConsumers * 4 * 4 * 4;
+constexpr size_t kHandOffs = size_t(kSigma + kConsumers * 4 + 7) / 8 * 8;
+constexpr size_t kFullBars = kHandOffs + kConsumers * sizeof(uint64_t);
+constexpr size_t kEmptyBars = kFullBars + kSlots * sizeof(uint64_t);
+constexpr size_t kSmemBytes = kEmptyBars + kSlots * sizeof(uint64_t);
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+static_assert(kSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
+static_assert(kSlots % kConsumers == 0, "a slot's chunks go to one consumer");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using wgmma::descriptor;
 
-// The byte offset of element (r, c) in a swizzled tile.
-__device__ __forceinline__ uint32_t offset_of(int r, int c) {
-  return uint32_t((c / 32) * 8192 + 128 * r + 16 * (((c % 32) / 4) ^ (r % 8)) + 4 * (c % 4));
+// The scale for a group whose largest magnitude is `largest`: 2^k with largest 2^k in [2^14, 2^15)
+// (k at most 126: zeros and float32's subnormals scale by 2^126), as its float's biased exponent.
+__device__ __forceinline__ uint32_t scale_exponent(float largest) {
+  const uint32_t e = __float_as_uint(largest) >> 23;  // (largest >= 0)
+  return e >= 15u ? 268u - e : 253u;
 }
-// A tile's descriptor as a K-major operand (K along its columns), k8 step s from the tile's own
-// (descriptor(tile + offset) = descriptor(tile) + offset / 16 below 256 KB: one add, where each
-// descriptor built whole was about 20 uniform instructions a wgmma, a fifth of the kernel's).
-__device__ __forceinline__ uint64_t k_step(uint64_t tile_descriptor, int s) {
-  return tile_descriptor + uint64_t(((s / 4) * 8192 + 32 * (s % 4)) / 16);
+__device__ __forceinline__ float scale_of(uint32_t biased) { return __uint_as_float(biased << 23); }
+
+// 2^e, exact for e >= -149 (0 below): two normal powers multiplied, for the product of two to four
+// scales' inverses (each in [2^-126, 2^114]), which may leave the normal range. A product scaled
+// back by less than 2^-149 (the scaled product at most 2^36: 64 terms of parts below 2^15, so a
+// value below 2^-113) comes back as 0: only outputs near float32's own underflow.
+__device__ __forceinline__ float power_of_two(int e) {
+  const int lo = max(e / 2, -126), hi = e - lo;
+  return __uint_as_float(uint32_t(lo + 127) << 23) * __uint_as_float(uint32_t(max(hi, -126) + 127) << 23);
 }
 
-// x's TF32 head and exact tail: tensorcore_product.cuh's split (why truncated, what it costs).
-__device__ __forceinline__ void split(float x, uint32_t& head, uint32_t& tail) {
-  tensorcore::MmaTraits<float>::split(x, head, tail);
-}
-__device__ __forceinline__ float tail_of(float x) {
-  uint32_t head, tail;
-  split(x, head, tail);
-  return __uint_as_float(tail);
+// x0, x1 times scale as float16 pairs: head = fp16(x), tail = fp16(x - head) (x - head exact);
+// without kSplit the head alone (tail untouched).
+template <bool kSplit>
+__device__ __forceinline__ void split2(float x0, float x1, float scale, uint32_t& head, uint32_t& tail) {
+  x0 *= scale, x1 *= scale;
+  const __half2 h = __floats2half2_rn(x0, x1);
+  head = *reinterpret_cast<const uint32_t*>(&h);
+  if constexpr (kSplit) {
+    const float2 back = __half22float2(h);
+    const __half2 t = __floats2half2_rn(x0 - back.x, x1 - back.y);
+    tail = *reinterpret_cast<const uint32_t*>(&t);
+  }
 }
 
-#define FCA_TF32_D32(d)                                                                                          \
+// The largest of x over the 4 lanes of a quad (one row of a fragment)
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+#define FCA_H_D32(d)                                                                                          \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
       "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
       "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
       "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FCA_TF32_D32_LIST                                                                                   \
+#define FCA_H_D32_LIST                                                                                   \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
   "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-// d (64 x 64: wgmma_product.cuh's accumulator layout) += A B^T, k8, B K-major from shared memory,
-// A from registers: a0 (row g, k q), a1 (g + 8, q), a2 (g, q + 4), a3 (g + 8, q + 4) of the warp's
-// 16 rows (CUTLASS's ALayout_64x8); accumulate = false: d = A B^T.
-__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+// d (64 x 64, the accumulator layout) (+)= A B, k16, float16, A from registers (mma.sync's m16n8k16
+// A fragment: a0 (row g, k 2 q4, + 1), a1 (g + 8, ...), a2 (g, k 2 q4 + 8, + 9), a3 (g + 8, ...)),
+// B from shared memory, K-major (kTransB = 0) or MN-major (1); accumulate = false: d = A B.
+template <int kTransB>
+__device__ __forceinline__ void mma_h(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 " FCA_TF32_D32_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
-      : FCA_TF32_D32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FCA_H_D32_LIST
+      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
+      : FCA_H_D32(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransB));
 }
-#undef FCA_TF32_D32
-#undef FCA_TF32_D32_LIST
+#undef FCA_H_D32
+#undef FCA_H_D32_LIST
 
 // at[0], at[1] += x, y as one vector reduction (red.global.add.v2.f32, sm_90): atomicAdd's float2
 // form made its 64-bit address again before each one (11 instructions a reduction against a
@@ -138,58 +134,65 @@ __device__ __forceinline__ void add_pair(float* at, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
 }
 
-// An A operand in registers, K = 64 (eight k8 steps), split into heads and tails.
-struct SplitFragments {
-  uint32_t head[8][4], tail[8][4];
-  __device__ __forceinline__ void set(int s, int r, float x) { split(x, head[s][r], tail[s][r]); }
+// An A operand in registers, K = 64 (four k16 steps), float16 heads and tails.
+struct HalfFragments {
+  uint32_t head[4][4], tail[4][4];
 };
 
-// d (+)= A B^T over K = 64, B a K-major tile (its head) with its tail `b_tail` (kTile bytes on
-// where the caller wrote it), A in registers (RegisterOperand: its heads and tails).
-// Per k8 step the small terms first (the accumulators truncate); kSplit = false: the heads alone.
-template <bool kSplit, typename A>
-__device__ __forceinline__ void times(float (&d)[32], const A& a, uint32_t b_head_tile, uint32_t b_tail_tile,
-                                      bool accumulate) {
-  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_tail_tile);
+// d (+)= A B over K = 64, B a float16 tile (its head at b_head_tile, its tail kHalfTile on), K-major
+// (kTransB = 0: a k16 step 32 bytes along its rows) or MN-major (1: 2048 bytes down its rows).
+// Per k16 step the small terms first (the accumulators truncate); kSplit = false: the heads alone.
+template <bool kSplit, int kTransB>
+__device__ __forceinline__ void times(float (&d)[32], const HalfFragments& a, uint32_t b_head_tile, bool accumulate) {
+  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_head_tile + kHalfTile);
+  auto step = [](uint64_t tile, int s) { return tile + uint64_t((kTransB ? 2048 * s : 32 * s) / 16); };
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
+  for (int s = 0; s < 4; ++s) {
     const bool first = !accumulate && s == 0;
     if constexpr (kSplit) {
-      a.tail_times(d, s, k_step(b_head, s), !first);
-      a.head_times(d, s, k_step(b_tail, s), true);
+      mma_h<kTransB>(d, a.tail[s], step(b_head, s), !first);
+      mma_h<kTransB>(d, a.head[s], step(b_tail, s), true);
     }
-    a.head_times(d, s, k_step(b_head, s), kSplit || !first);
+    mma_h<kTransB>(d, a.head[s], step(b_head, s), kSplit || !first);
   }
 }
-struct RegisterOperand {  // A from registers
-  const SplitFragments& f;
-  __device__ void head_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.head[s], b, acc); }
-  __device__ void tail_times(float (&d)[32], int s, uint64_t b, bool acc) const { mma_rs(d, f.tail[s], b, acc); }
-};
 
-// Named barriers (0 is __syncthreads), each of two warpgroups (one arrives, the other waits)
-// unless kOwn: kFull + j, the producer's announcement that consumer j's set holds its next chunk;
-// kCopied + j, consumer j's that it has read the chunk's staged A and B (the producer may copy
-// the next chunk over them); kFree + j, that it has run the products that read the derived tiles
-// (the producer may write the next chunk's); kOwn + w, warpgroup w's own (w = kConsumers: the
-// producer). The state passes from one consumer to the
-// other through an mbarrier instead (each thread's arrive a release of its own writes, the
-// waiter's an acquire): across bar.arrive and bar.sync racecheck took the threads' reads and
-// writes of S for races.
-enum Barrier : int {
-  kFull = 1,
-  kCopied = kFull + kConsumers,
-  kFree = kCopied + kConsumers,
-  kOwn = kFree + kConsumers
-};
-static_assert(kOwn + kConsumers < 16, "named barriers of a block");
-__device__ __forceinline__ void named_sync(int id, int threads = 2 * kThreads) { wgmma::named_sync(id, threads); }
-__device__ __forceinline__ void named_arrive(int id, int threads = 2 * kThreads) { wgmma::named_arrive(id, threads); }
+// The same with A from shared memory too: a float16 tile (head at a_head_tile, tail kHalfTile on),
+// K-major (kTransA = 0) or MN-major (1).
+template <bool kSplit, int kTransA, int kTransB>
+__device__ __forceinline__ void times_ss(float (&d)[32], uint32_t a_head_tile, uint32_t b_head_tile, bool accumulate) {
+  const uint64_t a_head = descriptor(a_head_tile), a_tail = descriptor(a_head_tile + kHalfTile);
+  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_head_tile + kHalfTile);
+  auto step = [](uint64_t tile, int s, int trans) { return tile + uint64_t((trans ? 2048 * s : 32 * s) / 16); };
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const bool first = !accumulate && s == 0;
+    if constexpr (kSplit) {
+      wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_tail, s, kTransA), step(b_head, s, kTransB), !first);
+      wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_head, s, kTransA), step(b_tail, s, kTransB), true);
+    }
+    wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_head, s, kTransA), step(b_head, s, kTransB), kSplit || !first);
+  }
+}
+
+// Named barriers (0 is __syncthreads): kOwn + j, consumer j's four warps (its tiles' largest
+// |x| and its derived tiles written; the state's largest |S|). Every hand-off between warpgroups
+// is an mbarrier (an arrive a release of the arriving thread's accesses, a wait an acquire):
+// across bar.arrive -> bar.sync racecheck took reads and writes for races (the first version's
+// 578 reports, the second's 84).
+enum Barrier : int { kOwn = 1 };
+static_assert(kOwn + kConsumers <= 16, "named barriers of a block");
+__device__ __forceinline__ void named_sync(int id) { wgmma::named_sync(id, kThreads); }
 __device__ __forceinline__ void mbarrier_init(uint32_t bar, int count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 __device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// An arrival on bar once this thread's cp.async copies so far have landed (counted in the
+// mbarrier's count: .noinc)
+__device__ __forceinline__ void mbarrier_arrive_on_copies(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
@@ -243,35 +246,13 @@ struct Stager {
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
 // state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
-// up to 256: the block's row tile from work.k0, its column tile from work.m0 (see the file's
-// comment). kSplit: 3xTF32; without, the heads alone (TF32, where the user allowed it:
-// KernelParams::tf32; a runtime switch between the products made ptxas wait for the accumulators
-// between every two).
+// up to 256: the block's row tile from work.k0, its column tile from work.m0. kSplit: float32
+// from float16 heads and tails; without, the heads alone (where the user allowed TF32).
 //
-// Three warpgroups with their own roles: two consumers on alternate chunks (consumer j on chunks
-// j, j + 2, ...) and a producer. One consumer on every chunk (to main 8f0f624) ran its ALU work
-// and its products one after the other: about 8300 cycles a chunk against 3072 for its wgmma
-// (H200 ncu, 8,16,2048,128, thirty-eighth session). Two let one consumer's loads, splits, P and
-// state update run while the other's products keep the tensor cores busy (that pass 550 -> 415
-// us; fwd+bwd 11-13% faster at every shape: RESULTS.md, thirty-ninth session).
-//  - A consumer's products of a chunk, each waited for before the next (the other consumer's
-//    fill the gaps): A B^T, P Cc and B^T Cc, which need no state, then A S, once the other
-//    consumer has added its chunk's sums to S (hand_off). It adds its own sums and hands S on. So
-//    S passes between the consumers each chunk: one copy in shared memory, read and updated in
-//    chunk order, the hand-off (A S and the update) the only part of a chunk run in series.
-//  - Each consumer has its own set of tiles (SetTile): the producer stages the chunk into it
-//    (cp.async) and writes B's tail and Cc^T (head and tail) there, announcing it (kFull + j).
-//    The consumer frees the staged A and B (kCopied + j) once it holds A's and B^T's fragments
-//    (B^T's loaded while P Cc runs), so that the next chunk's copies run behind its last
-//    products, and the derived tiles (kFree + j) once B^T Cc has run (the staged Cc is the
-//    producer's alone: transposed before the chunk is announced).
-//  - Registers: 384 threads, 168 a thread at launch, the producer down to 40 and the consumers up
-//    to 232 (setmaxnreg); a consumer holds A's fragments from A B^T to A S (64 registers), one
-//    other operand's at a time beside them (P's, then B^T's), out and the sums (64).
-// State-only blocks: the consumers sum alternate chunks' B^T Cc in registers, consumer 0 adds
-// consumer 1's total to its own at the end (two partial sums in a fixed order: the same sum on
-// every run). They free the staged B as soon as they have read its fragments, and the producer
-// issues the next chunk's copies before it derives this chunk's tiles (its loop says why).
+// Three warpgroups: a producer that copies each chunk into its slot (cp.async), and two consumers
+// on alternate chunks (consumer j on chunks j, j + 2, ...). A consumer derives its chunk's float16
+// tiles, runs A B^T, P Cc and B^T Cc, then A S once the other consumer has added its chunk's sums
+// to S (hand_off), adds its own and hands S on.
 template <Pass P, bool kSplit>
 __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -285,12 +266,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
-  auto tile = [&](int which) { return base + uint32_t(which) * kTile; };
-  auto word = [&](int which, int r, int c) -> float& {
-    return *reinterpret_cast<float*>(wgmma_smem + which * kTile + offset_of(r, c));
-  };
-  auto set_tile = [](int consumer, int which) { return consumer * kSetTiles + which; };  // a SetTile's index
-  const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows (see above)
+  const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows
   const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
   const Operands<P, float, float> ops = work.operands(p);
   // row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's place in it
@@ -300,92 +276,39 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
-  // (wgmma::warpgroup(): uniform to ptxas, which otherwise serialized the wgmma, C7520)
   const int group = wgmma::warpgroup(), tid = int(threadIdx.x) % kThreads;
-  // hand_off(j): consumer j's mbarrier, completed by the other consumer's 128 arrivals
+  auto slot_at = [](int64_t it) { return int(it % kSlots) * kSlotBytes; };  // chunk it's slot, bytes into smem
   auto hand_off = [&](int consumer) { return base + uint32_t(kHandOffs) + uint32_t(consumer) * 8u; };
+  auto full = [&](int64_t it) { return base + uint32_t(kFullBars) + uint32_t(it % kSlots) * 8u; };
+  auto empty = [&](int64_t it) { return base + uint32_t(kEmptyBars) + uint32_t(it % kSlots) * 8u; };
+  // chunk it's use of its slot's mbarriers: the slot's (it / kSlots)-th phase
+  auto phase = [](int64_t it) { return uint32_t(it / kSlots) & 1u; };
   if (threadIdx.x == 0) {
     for (int j = 0; j < kConsumers; ++j) mbarrier_init(hand_off(j), kThreads);
+    for (int s = 0; s < kSlots; ++s) {
+      mbarrier_init(full(s), kThreads);   // the producer's threads, once their copies have landed
+      mbarrier_init(empty(s), kThreads);  // the consumer's threads, once its products have run
+    }
   }
   __syncthreads();
-  // registers: 168 a thread at launch (384 threads); the producer gives back what the consumers take
-  constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+  constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
   static_assert(kConsumers * kConsumerRegisters + kProducerRegisters <= (kConsumers + 1) * 168, "the block's registers");
 
-  if (group == kConsumers) {  // the producer
+  if (group == kConsumers) {  // the producer: copies, kSlots - 1 chunks ahead of the consumers
     wgmma::registers_down_to<kProducerRegisters>();
     const Stager stage(tid);
     const int64_t first = chunk_begin(0);
     Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
     Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
-    auto issue = [&](int64_t it) {  // it = 0, 1, 2, ... in order, into its consumer's set
-      const int n = work.chunk_len(chunk_begin(it), C), j = int(it % kConsumers);
-      if (!state_only) stage.operator()<kReverse>(tile(set_tile(j, kA)), a_src, ops.a_rows().ptr, n);
-      stage.operator()<kReverse>(tile(set_tile(j, kB)), b_src, ops.b_rows().ptr, n);
-      stage.operator()<kReverse>(tile(set_tile(j, kC)), c_src, ops.c_rows().ptr, n);
-      wgmma::StageRing<>::commit_copies();
-    };
-    // a transposed tile, heads and tails, its time axis in the k-step order (timestep t at
-    // column k_position(t): the file's comment; a warp: 32 consecutive timesteps, one row of
-    // the transpose each; both the reads and the writes conflict-free). The addresses are
-    // offset_of's as a base of this thread's (read_at, write_at: the swizzle's bits in them) and
-    // a constant XOR and offset each, from the tiles' places made opaque each call (the 40
-    // addresses held across the loop took the producer's registers).
-    const int s_row = tid % 64, half = tid / 64;  // this thread's timestep; its columns' half (4 of 8)
-    const uint32_t read_at = 128 * s_row + 16 * (half ^ (s_row % 8));
-    // (offset_of(4 (half + 2 i) + e, k_position(s_row)))
-    const uint32_t write_at = 8192 * (s_row / 32) + 512 * half + 16 * ((2 * ((s_row % 32) / 8) + s_row % 2) ^ (4 * half)) +
-                              4 * ((s_row % 8) / 2);
-    auto transpose = [&](int from, int head) {  // head's tail: the tile after it
-      uint32_t in = uint32_t(from * kTile) + read_at, out = uint32_t(head * kTile) + write_at;
-      asm volatile("" : "+r"(in), "+r"(out));
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {  // columns 4 half + 8 i .. + 3
-        const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + ((in ^ (32 * (i % 4))) + 8192 * (i / 4)));
-        const float xs[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float* const to = reinterpret_cast<float*>(wgmma_smem + ((out ^ (16 * e)) + 128 * e + 1024 * i));
-          to[0] = xs[e];
-          if constexpr (kSplit) to[kTile / 4] = tail_of(xs[e]);
-        }
-      }
-    };
-    if (chunks > 0) issue(0);
     for (int64_t it = 0; it < chunks; ++it) {
-      const int j = int(it % kConsumers);
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
-      named_sync(kOwn + kConsumers, kThreads);                 // every thread's
-      // The next chunk's copies, once its consumer holds the staged A and B of the chunk two before.
-      // State-only blocks issue them first, so that they land while this chunk's tiles are derived:
-      // issued after those, the copies' latency stood between every two chunks of this warpgroup's,
-      // which paces a launch whose consumers run one product a chunk. The pass issues them last: its
-      // consumers release the staged tiles only halfway through their chunk (after P Cc), and a
-      // producer that waited for that before deriving the next chunk's tiles would lengthen the
-      // chain that announces each chunk.
-      auto next_copies = [&] {
-        if (it + 1 < chunks) {
-          if (it + 1 >= kConsumers) named_sync(kCopied + (1 - j));
-          issue(it + 1);
-        }
-      };
-      if (state_only) next_copies();
-      if (it >= kConsumers) named_sync(kFree + j);  // the chunk two before has run B^T Cc: its derived tiles free
-      if (!state_only && kSplit) {  // B's tail, in its head's places (A's: the consumer's, in registers)
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint32_t offset = stage.piece0 + 1024 * i;
-          const float4 x = *reinterpret_cast<const float4*>(wgmma_smem + set_tile(j, kB) * kTile + offset);
-          *reinterpret_cast<float4*>(wgmma_smem + set_tile(j, kBTail) * kTile + offset) =
-              make_float4(tail_of(x.x), tail_of(x.y), tail_of(x.z), tail_of(x.w));
-        }
-      }
-      static_assert(kCtTail == kCtHead + 1, "Cc^T's tail after its head");
-      transpose(set_tile(j, kC), set_tile(j, kCtHead));
-      wgmma::fence_shared_writes();  // (the cp.async copies and the derived tiles, to wgmma)
-      named_arrive(kFull + j);
-      if (!state_only) next_copies();
+      if (it >= kSlots) mbarrier_wait(empty(it), phase(it - kSlots));  // chunk it - kSlots done with the slot
+      const int n = work.chunk_len(chunk_begin(it), C);
+      const uint32_t slot = base + uint32_t(slot_at(it));
+      if (!state_only) stage.operator()<kReverse>(slot + kA, a_src, ops.a_rows().ptr, n);
+      stage.operator()<kReverse>(slot + kB, b_src, ops.b_rows().ptr, n);
+      stage.operator()<kReverse>(slot + kCc, c_src, ops.c_rows().ptr, n);
+      mbarrier_arrive_on_copies(full(it));
     }
     return;
   }
@@ -394,93 +317,151 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   wgmma::registers_up_to<kConsumerRegisters>();
   const int me = group, other = 1 - group;
   const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
-  // The state S lives in shared memory as the copy A S reads: S^T (row m, column e), its head the
-  // float32 state itself (the master: registers held no more), its tail beside. Each thread reads
-  // and writes the elements of an accumulator's layout: row e = 16 warp + g (+8), column m = m0 +
-  // 8 j + 2 q4 (+1), element 4 j .. of a 32-float array (the same in both consumers: each element
-  // passes between the two threads of one rank, hand_off ordering them).
-  // Its words' addresses: offset_of's as a base of this thread's (the swizzle's bits in it) and a
-  // constant XOR and offset each element, from the base made opaque where they are used
-  // (state_at(): held across the loop, the 64 addresses took the consumers' registers).
-  const uint32_t state_base =
-      kStHead * kTile + 8192 * (warp / 2) + 256 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ (2 * q4)) + 4 * (g % 4);
-  auto state_at = [&] {
-    uint32_t at = state_base;
-    asm volatile("" : "+r"(at));
-    return at;
+  const int row = 16 * warp + g;  // this thread's rows: row, row + 8 (of the chunk; of the state)
+  // The state's float32 master: this thread's 32 elements (accumulator layout) as 8 vectors
+  float4* const master = reinterpret_cast<float4*>(wgmma_smem + kMaster) + tid;
+  // this consumer's warps' largest |x| of tile t (0: A, 1: B, 2: Cc, 3: S), warp_max[4 t + warp]
+  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + kWarpMax) + 16 * me;
+  uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + kSigma);
+  // The largest |x| of tile t: each thread's, through its warp (redux.sync) and the four warps
+  // (warp_max; the caller's kOwn sync between this and tile_exponent)
+  auto offer_largest = [&](int t, uint32_t largest_bits) {
+    largest_bits = __reduce_max_sync(0xffffffffu, largest_bits);
+    if (lane == 0) warp_max[4 * t + warp] = __uint_as_float(largest_bits);
   };
-  auto state = [&](uint32_t at, int i) -> float& {  // element i's head; its tail a tile on (kStTail)
-    return *reinterpret_cast<float*>(wgmma_smem + ((at ^ (16 * (2 * ((i % 4) / 2) + i % 2))) + 1024 * (i / 4) + 128 * (i % 2)));
+  auto tile_exponent = [&](int t) {
+    const float4 w = *reinterpret_cast<const float4*>(warp_max + 4 * t);
+    return scale_exponent(fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w)));
   };
-  static_assert(kStTail == kStHead + 1, "S^T's tail after its head");
-  auto state_tail = [&](uint32_t at, int i) -> float& { return (&state(at, i))[kTile / 4]; };
-  // A fragments of tile `which` (its rows 16 warp + g, + 8 and columns 8 s + q4, + 4 of k-step s;
-  // where `transposed`, of its transpose with time, now the K axis, in the k-step order: k
-  // positions q4 and q4 + 4 are timesteps 8 s + 2 q4 and + 1), split into heads and tails here.
-  // Each warp's 32 loads of a k-step fall on 32 banks. The addresses are offset_of's in two
-  // parts: a base of this thread's (x, y below; the swizzle's three bits hold g, or 4 (warp % 2)
-  // + g / 4 ^ 2 q4) and what each load adds (a constant XOR on those bits, then constant bytes),
-  // from the tile's place made opaque each call: held across the loop, the 32 addresses of each
-  // tile spilled.
-  const uint32_t frag_x = 128 * (16 * warp + g) + 16 * g + 4 * q4;
-  const uint32_t frag_y = 8192 * (warp / 2) + 256 * q4 + 16 * ((4 * (warp % 2) + g / 4) ^ (2 * q4)) + 4 * (g % 4);
-  auto staged_fragments = [&](SplitFragments& f, int which, bool transposed) {
-    uint32_t at = uint32_t(which * kTile) + (transposed ? frag_y : frag_x);
-    asm volatile("" : "+r"(at));
+  auto abs_bits = [](float x) { return __float_as_uint(x) & 0x7fffffffu; };
+
+  // Chunk it's staged tiles (A unless state-only, B, Cc) scaled and split in place into float16
+  // heads and tails; k[t]: tile t's scale exponent. Four threads a row, thread q of the four its
+  // float16 chunks q and q + 4 (float32 chunks 2 q, 2 q + 1 of either atom): rows tid / 4 and + 32,
+  // odd rows' atoms in the other order (x[..][a] from atom a ^ 1): a quarter warp's stores (rows r,
+  // r + 1) then fall on 32 banks, where in one order they fell on 16 twice (ncu: STS 31% of the
+  // shared-memory wavefronts, 1.6x the bytes' count), and its loads stay on 32. Every thread reads
+  // all of its elements before the kOwn sync and writes after it: the float16 tile lies over the
+  // float32 tile's first half and its tail over the second.
+  const int d_row = tid / 4, d_q = tid % 4, d_odd = d_row % 2;
+  auto derive = [&](int64_t it, uint32_t (&k)[3]) {
+    const int slot = slot_at(it);
+    float4 x[3][2][2][2];  // [tile][pass: row d_row + 32 pass][atom a ^ d_odd][float32 chunk 2 q + d]
 #pragma unroll
-    for (int s = 0; s < 8; ++s)
+    for (int t = 0; t < 3; ++t) {
+      if (t == 0 && state_only) continue;
+      uint32_t largest = 0;
 #pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const uint32_t offset = transposed ? (at ^ (16 * (2 * (h % 2) + h / 2))) + 1024 * s + 128 * (h / 2)
-                                           : (at ^ (16 * (2 * (s % 4) + h / 2))) + 8192 * (s / 4) + 1024 * (h % 2);
-        f.set(s, h, *reinterpret_cast<const float*>(wgmma_smem + offset));
+      for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+          for (int d = 0; d < 2; ++d) {
+            const int r = d_row + 32 * pass;
+            const float4 v =
+                *reinterpret_cast<const float4*>(wgmma_smem + slot + kTile * t + 8192 * (a ^ d_odd) + 128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
+            x[t][pass][a][d] = v;
+            largest = max(largest, max(max(abs_bits(v.x), abs_bits(v.y)), max(abs_bits(v.z), abs_bits(v.w))));
+          }
+      offer_largest(t, largest);
+    }
+    named_sync(kOwn + me);
+#pragma unroll
+    for (int t = 0; t < 3; ++t) {
+      if (t == 0 && state_only) continue;
+      k[t] = tile_exponent(t);
+      const float scale = scale_of(k[t]);
+#pragma unroll
+      for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          const int r = d_row + 32 * pass;
+          uint4 head, tail;
+          const float4 &lo = x[t][pass][a][0], &hi = x[t][pass][a][1];
+          split2<kSplit>(lo.x, lo.y, scale, head.x, tail.x);
+          split2<kSplit>(lo.z, lo.w, scale, head.y, tail.y);
+          split2<kSplit>(hi.x, hi.y, scale, head.z, tail.z);
+          split2<kSplit>(hi.z, hi.w, scale, head.w, tail.w);
+          const int at = slot + kTile * t + 128 * r + 16 * ((d_q + 4 * (a ^ d_odd)) ^ (r % 8));
+          *reinterpret_cast<uint4*>(wgmma_smem + at) = head;
+          if constexpr (kSplit) *reinterpret_cast<uint4*>(wgmma_smem + at + kHalfTile) = tail;
+        }
+    }
+    wgmma::fence_shared_writes();  // (the derived tiles, to wgmma)
+    named_sync(kOwn + me);         // every thread's (and warp_max read: free for the next chunk)
+  };
+
+  // S16 (rows e, columns m): this thread's pair (e = row + 8 h, m = 8 j + 2 q4) at
+  // (s16_at ^ 16 j) + 1024 h
+  const uint32_t s16_at = uint32_t(kS16 + 128 * row + 16 * g + 4 * q4);
+  // S (the values in the accumulator layout) into the master and S16; S16's scale exponent into
+  // sigma[me]
+  auto publish = [&](const float (&s)[32]) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) master[128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
+    uint32_t largest = 0;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) largest = max(largest, abs_bits(s[i]));
+    offer_largest(3, largest);
+    named_sync(kOwn + me);
+    const uint32_t k = tile_exponent(3);
+    const float scale = scale_of(k);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t at = (s16_at ^ (16 * jj)) + 1024 * h;
+        uint32_t head, tail;
+        split2<kSplit>(s[4 * jj + 2 * h], s[4 * jj + 2 * h + 1], scale, head, tail);
+        *reinterpret_cast<uint32_t*>(wgmma_smem + at) = head;
+        if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
       }
+    if (tid == 0) sigma[me] = k;
+  };
+  auto read_master = [&](float (&s)[32]) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const float4 x = master[128 * v];
+      s[4 * v] = x.x, s[4 * v + 1] = x.y, s[4 * v + 2] = x.z, s[4 * v + 3] = x.w;
+    }
   };
   auto store_segment_end = [&](const float (&end)[32]) {
     wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
                      Da, Dc, work.k0, work.m0);
   };
-  // d = B^T Cc of consumer me's chunk it (B^T's fragments read transposed from the staged B),
-  // the staged A and B released to the producer once read (the next copies may come while the
-  // product runs), the derived tiles once it has run
-  auto state_sums = [&](float (&d)[32], int64_t it) {
-    SplitFragments bf;
-    staged_fragments(bf, set_tile(me, kB), true);
-    const bool more = it + kConsumers < chunks;
-    if (more) named_arrive(kCopied + me);
-    fence();
-    times<kSplit>(d, RegisterOperand{bf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);
-    commit();
-    wait<0>();
-    if (more) named_arrive(kFree + me);
-  };
 
-  if (state_only) {  // (a loop of its own: sharing the products' loop, ptxas fenced the accumulators)
-    // No A S reads the state here: it stays in registers, each chunk's sums added in float32 as
-    // the pass adds them, and is written as the segment's end below (a state-only block starts
-    // from zero: load_start).
+  if (state_only) {
     float total[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) total[i] = 0.f;
     for (int64_t it = me; it < chunks; it += kConsumers) {
+      mbarrier_wait(full(it), phase(it));
+      uint32_t k[3];
+      derive(it, k);
+      const uint32_t slot = base + uint32_t(slot_at(it));
       float sums[32];
-      named_sync(kFull + me);
-      state_sums(sums, it);
+      fence();
+      times_ss<kSplit, 1, 1>(sums, slot + kB, slot + kCc, false);  // 2^(β + γ) B^T Cc
+      commit();
+      wait<0>();
+      if (it + kSlots < chunks) mbarrier_arrive(empty(it));
+      const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
 #pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += sums[i];
+      for (int i = 0; i < 32; ++i) total[i] += sums[i] * inverse;
     }
-    if (chunks > 1) {  // consumer 1's total to consumer 0 through S^T's (unused) place
+    if (chunks > 1) {  // consumer 1's total to consumer 0 through the master's place
       if (me == 1) {
-        const uint32_t at = state_at();
 #pragma unroll
-        for (int i = 0; i < 32; ++i) state(at, i) = total[i];
+        for (int v = 0; v < 8; ++v)
+          master[128 * v] = make_float4(total[4 * v], total[4 * v + 1], total[4 * v + 2], total[4 * v + 3]);
         mbarrier_arrive(hand_off(0));
         return;
       }
       mbarrier_wait(hand_off(0), 0);
-      const uint32_t at = state_at();
+      float theirs[32];
+      read_master(theirs);
 #pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += state(at, i);
+      for (int i = 0; i < 32; ++i) total[i] += theirs[i];
     }
     if (me == 0) store_segment_end(total);
     return;
@@ -489,87 +470,95 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   if (me == 0) {  // the segment's start into S, for chunk 0's A S
     float start[32];
     wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0, work.m0);
-    const uint32_t at = state_at();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      state(at, i) = start[i];
-      if constexpr (kSplit) state_tail(at, i) = tail_of(start[i]);
-    }
+    publish(start);
     wgmma::fence_shared_writes();
-    named_sync(kOwn + me, kThreads);
+    named_sync(kOwn + me);
   }
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
-  const int row = 16 * warp + g;
+  const uint32_t s16 = base + uint32_t(kS16);
   for (int64_t it = me; it < chunks; it += kConsumers) {
-    named_sync(kFull + me);
-    float score[32], out[32], sums[32];
-    SplitFragments bf;
-    SplitFragments af;  // held for A S
+    mbarrier_wait(full(it), phase(it));
+    uint32_t k[3];  // α, β, γ
+    derive(it, k);
+    const uint32_t slot = base + uint32_t(slot_at(it));
+    float score[32], out_pc[32], out_as[32], sums[32];
+    float pc_inverse[2];
+    fence();
+    times_ss<kSplit, 0, 0>(score, slot + kA, slot + kB, false);  // 2^(α + β) A B^T
+    commit();
     {
-      staged_fragments(af, set_tile(me, kA), false);
-      fence();
-      times<kSplit>(score, RegisterOperand{af}, tile(set_tile(me, kB)), tile(set_tile(me, kBTail)), false);  // A B^T
-      commit();
       wait<0>();
-    }
-    {
-      // P = mask(scores) as A fragments, straight from the accumulators: this lane holds
-      // columns 8 s + 2 q4 and + 1 of n-tile s, which in the k-step order are its k positions q4
-      // and q4 + 4 (the shuffles that brought columns q4 and q4 + 4 are gone).
-      SplitFragments pf;
+      // P = mask(scores') 2^p_r: register r of k-step s holds n-tile 2 s + r / 2, entries 2 (r % 2)
+      // (+1) of the scores' accumulator (rows row + 8 (r % 2))
+      HalfFragments pf;
+      float x[4][4][2];
+      float largest[2] = {0.f, 0.f};
 #pragma unroll
-      for (int s = 0; s < 8; ++s)
+      for (int s = 0; s < 4; ++s)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {  // rows g, g + 8
-          const int r = row + 8 * h;
-          auto kept = [r](int column) { return kReverse ? column >= r : column <= r; };
-          pf.set(s, h, kept(8 * s + 2 * q4) ? score[4 * s + 2 * h] : 0.f);              // k position q4
-          pf.set(s, h + 2, kept(8 * s + 2 * q4 + 1) ? score[4 * s + 2 * h + 1] : 0.f);  // q4 + 4
+        for (int r = 0; r < 4; ++r) {
+          const int t = 16 * s + 2 * q4 + 8 * (r / 2), h = r % 2;  // timestep (column) of entry 0
+          const int rr = row + 8 * h;
+#pragma unroll
+          for (int d = 0; d < 2; ++d) {
+            const bool kept = kReverse ? t + d >= rr : t + d <= rr;
+            x[s][r][d] = kept ? score[4 * (2 * s + r / 2) + 2 * h + d] : 0.f;
+            largest[h] = fmaxf(largest[h], fabsf(x[s][r][d]));
+          }
+        }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t kp = scale_exponent(quad_max(largest[h]));
+        largest[h] = scale_of(kp);
+        // out_pc = 2^(α + β + p_r + γ) P Cc
+        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2]));
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          split2<kSplit>(x[s][r][0], x[s][r][1], largest[r % 2], pf.head[s][r], pf.tail[s][r]);
         }
       fence();
-      times<kSplit>(out, RegisterOperand{pf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);  // P Cc
+      times<kSplit, 1>(out_pc, pf, slot + kCc, false);              // 2^(α + β + p_r + γ) P Cc
+      times_ss<kSplit, 1, 1>(sums, slot + kB, slot + kCc, false);  // 2^(β + γ) B^T Cc
       commit();
-      staged_fragments(bf, set_tile(me, kB), true);  // B^T's, while P Cc runs
-      wait<0>();
     }
-    if (it + kConsumers < chunks) named_arrive(kCopied + me);  // A's and B^T's fragments held: chunk it + 2's copies may come
-    fence();
-    times<kSplit>(sums, RegisterOperand{bf}, tile(set_tile(me, kCtHead)), tile(set_tile(me, kCtTail)), false);  // B^T Cc
-    commit();
     // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
-    times<kSplit>(out, RegisterOperand{af}, tile(kStHead), tile(kStTail), true);  // += A S
+    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0]));
+    times_ss<kSplit, 0, 1>(out_as, slot + kA, s16, false);  // 2^(α + σ) A S
     commit();
-    wait<1>();  // B^T Cc: the derived tiles read, chunk it + 2's may come
-    if (it + kConsumers < chunks) named_arrive(kFree + me);
     wait<0>();
+    if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
     // S += the sums, rounded in float32, handed to the other consumer for chunk it + 1
-    const uint32_t at = state_at();
+    {
+      const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
+      float s[32];
+      read_master(s);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const float x = state(at, i) + sums[i];
-      state(at, i) = x;
-      if constexpr (kSplit) state_tail(at, i) = tail_of(x);
-    }
-    if (it + 1 < chunks) {
-      wgmma::fence_shared_writes();  // (for the other's A S)
-      mbarrier_arrive(hand_off(other));
+      for (int i = 0; i < 32; ++i) s[i] += sums[i] * inverse;
+      if (it + 1 < chunks) {
+        publish(s);
+        wgmma::fence_shared_writes();  // (for the other's A S)
+        mbarrier_arrive(hand_off(other));
+      } else {  // the segment's end: S after the last chunk
+        store_segment_end(s);
+      }
     }
 
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
     float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
-    // a whole chunk of whole columns (every chunk but a sequence's last, wherever Dc is a multiple
-    // of 64) stores without a test; the rest each element behind its own (a predicated store, a
-    // branch around a reduction)
+    auto value = [&](int i) { return (out_pc[i] * pc_inverse[(i / 2) % 2] + out_as[i] * as_inverse) * factor; };
     auto stores = [&](auto store) {
       auto each = [&](auto inside) {
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
-            if (inside(h, j)) store(to + h * to_h + 8 * j, out[4 * j + 2 * h] * factor, out[4 * j + 2 * h + 1] * factor);
+            if (inside(h, j)) store(to + h * to_h + 8 * j, value(4 * j + 2 * h), value(4 * j + 2 * h + 1));
           }
       };
       if (n == C && work.cols == C) {
@@ -584,12 +573,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
     }
   }
-  // the segment's end: S after the last chunk, by the consumer that updated it (chunk 0's where none)
-  if (me == (chunks > 0 ? int((chunks - 1) % kConsumers) : 0)) {
+  if (chunks == 0 && me == 0) {  // an empty segment: its end is its start
     float end[32];
-    const uint32_t at = state_at();
-#pragma unroll
-    for (int i = 0; i < 32; ++i) end[i] = state(at, i);
+    read_master(end);
     store_segment_end(end);
   }
 #else
