@@ -5,7 +5,7 @@
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
-// EXPERIMENT (halves): each float32 tile x, scaled by a power of two 2^k so that its largest
+// Each float32 tile x, scaled by a power of two 2^k so that its largest
 // magnitude lies in [2^14, 2^15), is split into a float16 head h = fp16(x 2^k) and tail t =
 // fp16(x 2^k - h): 22 significant bits, as 3xTF32's head and tail. Each product is three float16
 // wgmma (head x head + head x tail + tail x head, the small terms first) at twice TF32's rate, on
@@ -26,10 +26,11 @@
 // The pipeline: a producer warpgroup only copies (cp.async), into a ring of kSlots chunk slots,
 // each slot's mbarrier completing when the copies have landed; two consumers on alternate chunks
 // each derive their chunk's float16 tiles in place (a float32 tile's 16 KB hold its head and tail),
-// run the products and release the slot. Deriving in the consumers, which wait on the state's
-// hand-off most of a chunk, leaves the producer nothing but copies, kSlots - 1 chunks ahead (the
-// second version derived in the producer, two slots of staged and derived tiles, and was paced by
-// the producer's chain: its copies one chunk ahead, its derivation, its waits on the consumers).
+// run the products and release the slot. The producer, with nothing but copies, runs kSlots - 1
+// chunks ahead. Where it derived the tiles (two sets of staged and derived tiles, all the shared
+// memory held) its chain paced the pass: its copies one chunk ahead, its derivation, its waits on
+// the consumers (benchmarks/experiments/tf32_halves_tile_scales.patch; RESULTS.md, forty-third
+// session: this form 5-11% faster than 3xTF32, that one 0-5% slower).
 //
 // Shared memory: kSlots slots of A, B, Cc (48 KB each), the state's float32 master (each consumer
 // thread its own 32 elements, the accumulator layout) and S16's head and tail: 224 KB.
@@ -178,8 +179,8 @@ __device__ __forceinline__ void times_ss(float (&d)[32], uint32_t a_head_tile, u
 // Named barriers (0 is __syncthreads): kOwn + j, consumer j's four warps (its tiles' largest
 // |x| and its derived tiles written; the state's largest |S|). Every hand-off between warpgroups
 // is an mbarrier (an arrive a release of the arriving thread's accesses, a wait an acquire):
-// across bar.arrive -> bar.sync racecheck took reads and writes for races (the first version's
-// 578 reports, the second's 84).
+// across bar.arrive -> bar.sync racecheck took reads and writes for races (578 and 84 reports in
+// two earlier forms of this kernel).
 enum Barrier : int { kOwn = 1 };
 static_assert(kOwn + kConsumers <= 16, "named barriers of a block");
 __device__ __forceinline__ void named_sync(int id) { wgmma::named_sync(id, kThreads); }
