@@ -167,23 +167,24 @@ __device__ __forceinline__ void mma_ss(float (&d)[32], uint64_t a, uint64_t b, b
         : "l"(a), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransA), "n"(kTransB));
   }
 }
-// The same with A from registers: each warp its 16 rows in mma.sync's m16n8k16 A fragment.
+// The same with A from registers: each warp its 16 rows in mma.sync's m16n8k16 A fragment (float32's
+// wgmma kernel starts its accumulators with accumulate = false).
 template <bool kHalf, int kTransB>
-__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+__device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate = true) {
   if constexpr (kHalf) {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FCA_WGMMA_D32_LIST
         ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
         : FCA_WGMMA_D32(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransB));
   } else {
     asm volatile(
         "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FCA_WGMMA_D32_LIST
         ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
         : FCA_WGMMA_D32(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransB));
   }
 }
 #undef FCA_WGMMA_D32

@@ -32,6 +32,17 @@
 // the consumers (benchmarks/experiments/tf32_halves_tile_scales.patch; RESULTS.md, forty-third
 // session: this form 5-11% faster than 3xTF32, that one 0-5% slower).
 //
+// The tensor cores add into their accumulators without rounding to nearest: a state summed in them
+// drifted past 1e-5 by 4097 steps (nineteenth session). So each chunk's B^T Cc goes to fresh
+// accumulators and is added to S's float32 master, of which S16 is the scaled copy.
+//
+// A block holds 64 of the state's rows (Da) and 64 of its columns (Dc). Wider states run in column
+// tiles (each block its own outputs) and, up to 256 rows, in up to four row tiles (O is a sum over
+// the state's rows): row tiles 0 and 1 add their outputs into the zeroed output, 2 and 3 into a
+// zeroed buffer added to it after the pass (0 + x + y rounds as 0 + y + x: each sum repeats bit for
+// bit). Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands,
+// segments and their scan, SegmentStart / SegmentEnd, launch_wgmma).
+//
 // Shared memory: kSlots slots of A, B, Cc (48 KB each), the state's float32 master (each consumer
 // thread its own 32 elements, the accumulator layout) and S16's head and tail: 224 KB.
 #pragma once
@@ -90,12 +101,10 @@ __device__ __forceinline__ float power_of_two(int e) {
 template <bool kSplit>
 __device__ __forceinline__ void split2(float x0, float x1, float scale, uint32_t& head, uint32_t& tail) {
   x0 *= scale, x1 *= scale;
-  const __half2 h = __floats2half2_rn(x0, x1);
-  head = *reinterpret_cast<const uint32_t*>(&h);
+  head = wgmma::pack<true>(x0, x1);
   if constexpr (kSplit) {
-    const float2 back = __half22float2(h);
-    const __half2 t = __floats2half2_rn(x0 - back.x, x1 - back.y);
-    tail = *reinterpret_cast<const uint32_t*>(&t);
+    const float2 back = __half22float2(reinterpret_cast<const __half2&>(head));
+    tail = wgmma::pack<true>(x0 - back.x, x1 - back.y);
   }
 }
 
@@ -105,29 +114,6 @@ __device__ __forceinline__ float quad_max(float x) {
   return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 
-#define FCA_H_D32(d)                                                                                          \
-  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
-      "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),       \
-      "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),      \
-      "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FCA_H_D32_LIST                                                                                   \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, " \
-  "%23, %24, %25, %26, %27, %28, %29, %30, %31}"
-// d (64 x 64, the accumulator layout) (+)= A B, k16, float16, A from registers (mma.sync's m16n8k16
-// A fragment: a0 (row g, k 2 q4, + 1), a1 (g + 8, ...), a2 (g, k 2 q4 + 8, + 9), a3 (g + 8, ...)),
-// B from shared memory, K-major (kTransB = 0) or MN-major (1); accumulate = false: d = A B.
-template <int kTransB>
-__device__ __forceinline__ void mma_h(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FCA_H_D32_LIST
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
-      : FCA_H_D32(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransB));
-}
-#undef FCA_H_D32
-#undef FCA_H_D32_LIST
-
 // at[0], at[1] += x, y as one vector reduction (red.global.add.v2.f32, sm_90): atomicAdd's float2
 // form made its 64-bit address again before each one (11 instructions a reduction against a
 // store's 3). Like atomicAdd on float, it flushes subnormal sums to zero.
@@ -135,44 +121,59 @@ __device__ __forceinline__ void add_pair(float* at, float x, float y) {
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(at), "f"(x), "f"(y) : "memory");
 }
 
-// An A operand in registers, K = 64 (four k16 steps), float16 heads and tails.
+// An A operand in registers, K = 64 (four k16 steps), float16 heads and tails (mma.sync's m16n8k16
+// A fragment: a0 (row g, k 2 q4, + 1), a1 (g + 8, ...), a2 (g, k 2 q4 + 8, + 9), a3 (g + 8, ...)).
 struct HalfFragments {
   uint32_t head[4][4], tail[4][4];
 };
 
-// d (+)= A B over K = 64, B a float16 tile (its head at b_head_tile, its tail kHalfTile on), K-major
-// (kTransB = 0: a k16 step 32 bytes along its rows) or MN-major (1: 2048 bytes down its rows).
-// Per k16 step the small terms first (the accumulators truncate); kSplit = false: the heads alone.
-template <bool kSplit, int kTransB>
-__device__ __forceinline__ void times(float (&d)[32], const HalfFragments& a, uint32_t b_head_tile, bool accumulate) {
-  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_head_tile + kHalfTile);
-  auto step = [](uint64_t tile, int s) { return tile + uint64_t((kTransB ? 2048 * s : 32 * s) / 16); };
-#pragma unroll
-  for (int s = 0; s < 4; ++s) {
-    const bool first = !accumulate && s == 0;
-    if constexpr (kSplit) {
-      mma_h<kTransB>(d, a.tail[s], step(b_head, s), !first);
-      mma_h<kTransB>(d, a.head[s], step(b_tail, s), true);
-    }
-    mma_h<kTransB>(d, a.head[s], step(b_head, s), kSplit || !first);
-  }
+// k16 step s of a float16 tile's descriptor: K-major (kTrans = 0: 32 bytes along its rows) or
+// MN-major (1: 2048 bytes down them). The descriptor built once a tile and stepped by a 64-bit add
+// (wgmma::k_along_rows and k_along_columns, which build it from the address each step, took 3x the
+// R2UR here: offline SASS, forty-third session).
+template <int kTrans>
+__device__ __forceinline__ uint64_t k16_step(uint64_t tile_descriptor, int s) {
+  return tile_descriptor + uint64_t((kTrans ? 2048 * s : 32 * s) / 16);
+}
+// The A operands of `times`: fragments in registers, or a float16 tile in shared memory (its head
+// at `tile`, its tail kHalfTile on), K-major (kTransA = 0) or MN-major (1).
+struct RegisterHalves {
+  static constexpr int kTrans = 0;  // (no tile's)
+  const HalfFragments& f;
+  __device__ const uint32_t (&head(int s) const)[4] { return f.head[s]; }
+  __device__ const uint32_t (&tail(int s) const)[4] { return f.tail[s]; }
+};
+template <int kTransA>
+struct TileHalves {
+  static constexpr int kTrans = kTransA;
+  uint64_t head_descriptor, tail_descriptor;
+  __device__ explicit TileHalves(uint32_t tile) : head_descriptor(descriptor(tile)), tail_descriptor(descriptor(tile + kHalfTile)) {}
+  __device__ uint64_t head(int s) const { return k16_step<kTransA>(head_descriptor, s); }
+  __device__ uint64_t tail(int s) const { return k16_step<kTransA>(tail_descriptor, s); }
+};
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_half(float (&d)[32], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  wgmma::mma_rs<true, kTransB>(d, a, b, accumulate);
+}
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_half(float (&d)[32], uint64_t a, uint64_t b, bool accumulate) {
+  wgmma::mma_ss<true, kTransA, kTransB>(d, a, b, accumulate);
 }
 
-// The same with A from shared memory too: a float16 tile (head at a_head_tile, tail kHalfTile on),
-// K-major (kTransA = 0) or MN-major (1).
-template <bool kSplit, int kTransA, int kTransB>
-__device__ __forceinline__ void times_ss(float (&d)[32], uint32_t a_head_tile, uint32_t b_head_tile, bool accumulate) {
-  const uint64_t a_head = descriptor(a_head_tile), a_tail = descriptor(a_head_tile + kHalfTile);
-  const uint64_t b_head = descriptor(b_head_tile), b_tail = descriptor(b_head_tile + kHalfTile);
-  auto step = [](uint64_t tile, int s, int trans) { return tile + uint64_t((trans ? 2048 * s : 32 * s) / 16); };
+// d (+)= A B over K = 64 in float16 heads and tails: A a RegisterHalves or TileHalves, B a tile (its
+// head at b_tile, its tail kHalfTile on), K-major (kTransB = 0) or MN-major (1). Per k16 step the
+// small terms first (the accumulators truncate); kSplit = false: the heads alone.
+template <bool kSplit, int kTransB, typename A>
+__device__ __forceinline__ void times(float (&d)[32], const A& a, uint32_t b_tile, bool accumulate) {
+  const TileHalves<kTransB> b(b_tile);
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     const bool first = !accumulate && s == 0;
     if constexpr (kSplit) {
-      wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_tail, s, kTransA), step(b_head, s, kTransB), !first);
-      wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_head, s, kTransA), step(b_tail, s, kTransB), true);
+      mma_half<A::kTrans, kTransB>(d, a.tail(s), b.head(s), !first);
+      mma_half<A::kTrans, kTransB>(d, a.head(s), b.tail(s), true);
     }
-    wgmma::mma_ss<true, kTransA, kTransB>(d, step(a_head, s, kTransA), step(b_head, s, kTransB), kSplit || !first);
+    mma_half<A::kTrans, kTransB>(d, a.head(s), b.head(s), kSplit || !first);
   }
 }
 
@@ -442,7 +443,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       const uint32_t slot = base + uint32_t(slot_at(it));
       float sums[32];
       fence();
-      times_ss<kSplit, 1, 1>(sums, slot + kB, slot + kCc, false);  // 2^(β + γ) B^T Cc
+      times<kSplit, 1>(sums, TileHalves<1>(slot + kB), slot + kCc, false);  // 2^(β + γ) B^T Cc
       commit();
       wait<0>();
       if (it + kSlots < chunks) mbarrier_arrive(empty(it));
@@ -485,7 +486,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     float score[32], out_pc[32], out_as[32], sums[32];
     float pc_inverse[2];
     fence();
-    times_ss<kSplit, 0, 0>(score, slot + kA, slot + kB, false);  // 2^(α + β) A B^T
+    times<kSplit, 0>(score, TileHalves<0>(slot + kA), slot + kB, false);  // 2^(α + β) A B^T
     commit();
     {
       wait<0>();
@@ -521,14 +522,14 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           split2<kSplit>(x[s][r][0], x[s][r][1], largest[r % 2], pf.head[s][r], pf.tail[s][r]);
         }
       fence();
-      times<kSplit, 1>(out_pc, pf, slot + kCc, false);              // 2^(α + β + p_r + γ) P Cc
-      times_ss<kSplit, 1, 1>(sums, slot + kB, slot + kCc, false);  // 2^(β + γ) B^T Cc
+      times<kSplit, 1>(out_pc, RegisterHalves{pf}, slot + kCc, false);  // 2^(α + β + p_r + γ) P Cc
+      times<kSplit, 1>(sums, TileHalves<1>(slot + kB), slot + kCc, false);  // 2^(β + γ) B^T Cc
       commit();
     }
     // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
     const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0]));
-    times_ss<kSplit, 0, 1>(out_as, slot + kA, s16, false);  // 2^(α + σ) A S
+    times<kSplit, 1>(out_as, TileHalves<0>(slot + kA), s16, false);  // 2^(α + σ) A S
     commit();
     wait<0>();
     if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
