@@ -28,7 +28,9 @@
 #                               # that order, a repeat's log numbered (bench_base2.log): the same
 #                               # code's drift between runs beside the two trees' difference (the
 #                               # forward alone moved up to 11% with its loop's SASS unchanged,
-#                               # RESULTS.md, thirty-second session)
+#                               # RESULTS.md, thirty-second session). Any other name in AB_ORDER
+#                               # is the tree third_party/NAME (made as base is, then patched),
+#                               # built beside the others: two variants against one base in a call
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
 #   STAGES="rate" ...           # wgmma's multiply-adds a cycle by N, A's source and shared-memory
@@ -56,11 +58,19 @@ if has tests || has sanitize; then : >"$OUT/summary.txt"; fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
 
-base_pid=""
-if has ab; then  # the baseline builds beside this tree's build (half the jobs each)
-  [[ -f "${BASELINE:-}/setup.py" ]] || { echo "ab: BASELINE=${BASELINE:-} holds no setup.py"; exit 1; }
-  (cd "$BASELINE" && MAX_JOBS=$(( MAX_JOBS / 2 )) python setup.py build_ext --inplace >"$OUT/base_build.log" 2>&1) &
-  base_pid=$!
+# an A/B tree's folder: base is $BASELINE, this is this tree (its editable install), any other
+# name third_party/NAME
+ab_tree() { case $1 in this) echo "";; base) echo "${BASELINE:-}";; *) echo "third_party/$1";; esac; }
+declare -A ab_pids=()
+if has ab; then  # the other trees build beside this tree's build (the jobs shared out)
+  others=$(for tree in ${AB_ORDER:-base this}; do [[ $tree == this ]] || echo "$tree"; done | sort -u)
+  jobs=$(( MAX_JOBS / ($(echo "$others" | wc -w) + 1) ))
+  for tree in $others; do
+    dir=$(ab_tree "$tree")
+    [[ -f "$dir/setup.py" ]] || { echo "ab: $tree's tree ${dir:-(BASELINE unset)} holds no setup.py"; exit 1; }
+    (cd "$dir" && MAX_JOBS=$(( jobs > 1 ? jobs : 1 )) python setup.py build_ext --inplace >"$OUT/${tree}_build.log" 2>&1) &
+    ab_pids[$tree]=$!
+  done
 fi
 if has build; then
   start=$(date +%s)
@@ -288,15 +298,16 @@ if has bench; then
 fi
 if has ab; then  # the baseline first (PYTHONPATH puts its package ahead of this tree's editable install)
   finish_warm
-  wait "$base_pid" || { echo "ab: the baseline did not build"; tail -20 "$OUT/base_build.log"; exit 1; }
+  for tree in "${!ab_pids[@]}"; do
+    wait "${ab_pids[$tree]}" || { echo "ab: $tree did not build"; tail -20 "$OUT/${tree}_build.log"; exit 1; }
+  done
   declare -A runs=()
   for tree in ${AB_ORDER:-base this}; do
-    [[ $tree == base || $tree == this ]] || { echo "ab: AB_ORDER holds base and this, got $tree"; exit 1; }
     runs[$tree]=$(( ${runs[$tree]:-0} + 1 ))
     name=$tree
     if (( runs[$tree] > 1 )); then name+=${runs[$tree]}; fi
     echo "== $name"
-    path=$([[ $tree == base ]] && echo "$BASELINE" || echo "${PYTHONPATH:-}")
+    path=$([[ $tree == this ]] && echo "${PYTHONPATH:-}" || ab_tree "$tree")
     PYTHONPATH="$path" python benchmarks/benchmark.py --out "$OUT/$name" ${BENCH_ARGS:-} >"$OUT/bench_$name.log" 2>&1
     grep -E "^(bfloat16|float)|CUDA graph replay|relative error" "$OUT/bench_$name.log"
   done
