@@ -128,6 +128,36 @@ def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kerne
 CUDA_KERNELS = [p for p in DEVICE_KERNELS if p.values[0] == "cuda"]
 
 
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("shape", [(2, 3, 67, 13, 21), (1, 2, 100, 64, 64), (2, 2, 40, 8, 8), (1, 1, 70, 3, 100)],
+                         ids=shape_id)
+def test_cpu_float16_is_float32_on_the_same_values(shape, normalize, layout):
+    """float16 on the CPU loads its rows into float32 and rounds float32 results to nearest: its
+    outputs and gradients are float32's on the same float16 values, rounded, to the bit. So the
+    CPU's F16C conversions (load_row and store_row, where the CPU has them) give the software
+    conversions' values, through rows of any width (the 8-wide loop's tails), float16's subnormals
+    and values whose products overflow it. Normalized, the output alone: its gradients take the
+    saved output, float16 in one run and float32 in the other."""
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, normalize, layout)).encode()))
+    q, k, v, grad_out = (torch.randn(B, H, L, D, generator=gen) for D in (E, E, M, M))
+    q, k = q / E**0.5, k / E**0.5
+    if normalize:  # positive features, as the feature maps give
+        q, k = q.abs() + 0.1, k.abs() + 0.1
+    q[0, 0, 0, 0], k[0, 0, 1, 0], v[0, 0, 2, 0] = 6e-8, -3e-6, 60000.0  # a subnormal, another, the range's top
+    if layout == "blhd":
+        q, k, v, grad_out = (x.transpose(1, 2) for x in (q, k, v, grad_out))
+    q, k, v, grad_out = (x.half() for x in (q, k, v, grad_out))
+    results = []
+    for dtype in (torch.float16, torch.float32):
+        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fast_causal_attn.causal_linear_attention(*inputs, scale=0.7, normalize=normalize, layout=layout)
+        results.append([out.half(), *(g.half() for g in torch.autograd.grad(out, inputs, grad_out.to(dtype)))])
+    for name, half, single in list(zip(("out", "grad_q", "grad_k", "grad_v"), *results))[: 1 if normalize else 4]:
+        torch.testing.assert_close(half, single, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device,kernel", CUDA_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
