@@ -10,6 +10,7 @@
 // scale, dtype conversion, layout strides and the normalize terms are applied: the products
 // themselves are plain small GEMMs.
 #include <algorithm>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -232,60 +233,62 @@ class ChunkedCausalProduct {
   std::vector<acc_t> a_, b_, c_, scores_, out_, state_;
 };
 
-template <typename scalar_t, typename acc_t>
-void load_row(const scalar_t* src, int64_t n, acc_t multiplier, acc_t* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = multiplier * static_cast<acc_t>(src[i]);
-}
-
-template <typename scalar_t, typename acc_t>
-void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
-}
-
 #if defined(__GNUC__) && defined(__x86_64__)
 // float16 rows through the CPU's own conversions (F16C, eight at a time), where it has them. The
 // build targets plain x86-64, where c10::Half converts in software: float16 took twice
 // bfloat16's time (4,8,2048,64 on the 2-core machine: forward 21.3 ms against 10.4,
-// fwd+bwd 91 against 45). The same values as the loops above: each conversion is exact one way
-// and rounds to nearest-even the other, and the products by the multiplier are the same IEEE
-// multiplications.
+// fwd+bwd 91 against 45). The same values as the loops of load_row and store_row: each
+// conversion is exact one way and rounds to nearest-even the other, and the products by the
+// multiplier are the same IEEE multiplications. Each does the row's whole groups of eight and
+// returns how many elements that is; the caller's loop does the rest.
+#define FAST_CAUSAL_ATTN_F16C 1
 bool cpu_has_f16c() {
   static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
   return has;
 }
 
-__attribute__((target("avx,f16c"))) void load_half_row_f16c(const c10::Half* src, int64_t n, float multiplier, float* dst) {
+__attribute__((target("avx,f16c"))) int64_t load_halves_f16c(const c10::Half* src, int64_t n, float multiplier, float* dst) {
   const __m256 scale = _mm256_set1_ps(multiplier);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
     _mm256_storeu_ps(dst + i, _mm256_mul_ps(scale, _mm256_cvtph_ps(halves)));
   }
-  for (; i < n; ++i) dst[i] = multiplier * static_cast<float>(src[i]);
+  return i;
 }
 
-__attribute__((target("avx,f16c"))) void store_half_row_f16c(const float* src, int64_t n, float multiplier, c10::Half* dst) {
+__attribute__((target("avx,f16c"))) int64_t store_halves_f16c(const float* src, int64_t n, float multiplier, c10::Half* dst) {
   const __m256 scale = _mm256_set1_ps(multiplier);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i halves = _mm256_cvtps_ph(_mm256_mul_ps(scale, _mm256_loadu_ps(src + i)), _MM_FROUND_TO_NEAREST_INT);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), halves);
   }
-  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(multiplier * src[i]);
-}
-
-template <>
-void load_row<c10::Half, float>(const c10::Half* src, int64_t n, float multiplier, float* dst) {
-  if (cpu_has_f16c()) return load_half_row_f16c(src, n, multiplier, dst);
-  for (int64_t i = 0; i < n; ++i) dst[i] = multiplier * static_cast<float>(src[i]);
-}
-
-template <>
-void store_row<c10::Half, float>(const float* src, int64_t n, float multiplier, c10::Half* dst) {
-  if (cpu_has_f16c()) return store_half_row_f16c(src, n, multiplier, dst);
-  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(multiplier * src[i]);
+  return i;
 }
 #endif
+
+template <typename scalar_t, typename acc_t>
+void load_row(const scalar_t* src, int64_t n, acc_t multiplier, acc_t* dst) {
+  int64_t i = 0;
+#ifdef FAST_CAUSAL_ATTN_F16C
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+    if (cpu_has_f16c()) i = load_halves_f16c(src, n, multiplier, dst);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = multiplier * static_cast<acc_t>(src[i]);
+}
+
+template <typename scalar_t, typename acc_t>
+void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
+  int64_t i = 0;
+#ifdef FAST_CAUSAL_ATTN_F16C
+  if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
+    if (cpu_has_f16c()) i = store_halves_f16c(src, n, multiplier, dst);
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
+}
 
 // Column blocks of width D split so that the `tasks` independent products (one per (batch, head)
 // and pass) give every thread about two work items, but none narrower than kMinColumnsPerBlock.
