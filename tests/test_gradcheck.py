@@ -24,6 +24,32 @@ def test_gradcheck(shape, layout, normalize, device):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
+@pytest.mark.parametrize("threads", [1, 4], ids=["dk_with_dv", "passes_apart"])
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_gradcheck_cpu_backward_walks(normalize, threads):
+    """The CPU backward takes dk and dv in one walk where every thread has a sequence of its own
+    (here one thread, two sequences), the three passes apart where not (four threads): both, with
+    states in and out, at a state above the size stepped one timestep at a time (E x M > 128)."""
+    q, k, v = make_inputs(1, 2, 45, 12, 13, dtype=torch.float64, device="cpu", normalize=normalize)
+    if normalize:
+        q, k = q + 0.1, k + 0.1
+    kv0, k_sum0 = make_state(1, 2, 12, 13, torch.float64, normalize)
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
+
+    def f(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(
+            q, k, v, scale=0.8, normalize=normalize, initial_state=fast_causal_attn.State(kv0, k_sum0),
+            return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_gradcheck_causal_dot_product(device):
     q, k, v = make_inputs(2, 2, 67, 5, 3, dtype=torch.float64, device=device)

@@ -106,6 +106,31 @@ void small_gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, con
   }
 }
 
+// Calls chunk(t0, n) for timesteps [t0, t0 + n), kChunk at a time, over [0, L) (from the end when
+// REVERSE).
+template <bool REVERSE, class Chunk>
+void walk_chunks(int64_t L, Chunk&& chunk) {
+  const int64_t chunks = (L + kChunk - 1) / kChunk;
+  for (int64_t i = 0; i < chunks; ++i) {
+    const int64_t t0 = (REVERSE ? chunks - 1 - i : i) * kChunk;
+    chunk(t0, std::min(kChunk, L - t0));
+  }
+}
+
+// Zeroes the scores of a chunk's n x n block (rows kChunk apart) that its causal product leaves
+// out: row i keeps the columns s <= i in forward time, s >= i in reverse.
+template <bool REVERSE, typename acc_t>
+void mask_scores(acc_t* scores, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    acc_t* row = scores + i * kChunk;
+    if (REVERSE) {
+      std::fill(row, row + i, acc_t(0));
+    } else {
+      std::fill(row + i + 1, row + n, acc_t(0));
+    }
+  }
+}
+
 // Packed chunk operands and the running state of one causal product.
 template <typename acc_t>
 class ChunkedCausalProduct {
@@ -126,14 +151,11 @@ class ChunkedCausalProduct {
   // [0, n) of a, b, c with timesteps [t0, t0 + n); unpack(t0, n) reads the same rows of out.
   template <bool REVERSE, class Pack, class Unpack>
   void run(int64_t L, Pack&& pack, Unpack&& unpack) {
-    const int64_t chunks = (L + kChunk - 1) / kChunk;
-    for (int64_t i = 0; i < chunks; ++i) {
-      const int64_t t0 = (REVERSE ? chunks - 1 - i : i) * kChunk;
-      const int64_t n = std::min(kChunk, L - t0);
+    walk_chunks<REVERSE>(L, [&](int64_t t0, int64_t n) {
       pack(t0, n);
       step<REVERSE>(n);
       unpack(t0, n);
-    }
+    });
   }
 
  private:
@@ -145,14 +167,7 @@ class ChunkedCausalProduct {
     }
     acc_t* scores = scores_.data();
     small_gemm<acc_t>(false, true, n, n, da_, a_.data(), da_, b_.data(), da_, acc_t(0), scores, kChunk);
-    for (int64_t i = 0; i < n; ++i) {
-      acc_t* row = scores + i * kChunk;
-      if (REVERSE) {
-        std::fill(row, row + i, acc_t(0));
-      } else {
-        std::fill(row + i + 1, row + n, acc_t(0));
-      }
-    }
+    mask_scores<REVERSE>(scores, n);
     small_gemm<acc_t>(false, false, n, dc_, da_, a_.data(), da_, state_.data(), dc_, acc_t(0), out_.data(), dc_);
     small_gemm<acc_t>(false, false, n, dc_, n, scores, kChunk, c_.data(), dc_, acc_t(1), out_.data(), dc_);
     small_gemm<acc_t>(true, false, da_, dc_, n, b_.data(), da_, c_.data(), dc_, acc_t(1), state_.data(), dc_);
@@ -231,6 +246,60 @@ class ChunkedCausalProduct {
 
   int64_t da_, dc_;
   std::vector<acc_t> a_, b_, c_, scores_, out_, state_;
+};
+
+// dk and dv of one sequence in one walk back in time. Their states are each other's transposes:
+// dv's is S = dS1 + sum_{t>=s} q'[t] g[t]^T (E x M), dk's [S | z]^T, where z = dz1 + sum c[t] q'[t]
+// is the row of ones' part under normalize. So one state [S | z] (E x Mg) serves both, and one
+// GEMM a chunk advances it where the two passes apart advanced two; and q' and [g, c] are read
+// once, not twice. A chunk:
+//     dv = mask(k q'^T) g + k S,   dk = mask([v, 1] [g, c]^T) q' + [v, 1] [S | z]^T,
+//     then [S | z] += q'^T [g, c].
+template <typename acc_t>
+class ChunkedGradKV {
+ public:
+  ChunkedGradKV(int64_t E, int64_t M, int64_t Mg)
+      : e_(E), m_(M), mg_(Mg), q_(kChunk * E), k_(kChunk * E), g_(kChunk * Mg), v_(kChunk * Mg),
+        scores_(kChunk * kChunk), dk_(kChunk * E), dv_(kChunk * M), state_(E * Mg, acc_t(0)) {}
+
+  acc_t* q_row(int64_t r) { return q_.data() + r * e_; }   // q'
+  acc_t* k_row(int64_t r) { return k_.data() + r * e_; }
+  acc_t* g_row(int64_t r) { return g_.data() + r * mg_; }  // [g, c] (c under normalize)
+  acc_t* v_row(int64_t r) { return v_.data() + r * mg_; }  // [v, 1] (1 under normalize)
+  const acc_t* dk_row(int64_t r) const { return dk_.data() + r * e_; }
+  const acc_t* dv_row(int64_t r) const { return dv_.data() + r * m_; }
+  // Row e of [S | z]: set it before run() to start from the final state's gradients, read it after
+  // run() for the initial state's.
+  acc_t* state_row(int64_t e) { return state_.data() + e * mg_; }
+
+  // Walks L timesteps from the end: pack(t0, n) fills rows [0, n) of q, k, g and v with timesteps
+  // [t0, t0 + n); unpack(t0, n) reads the same rows of dk and dv.
+  template <class Pack, class Unpack>
+  void run(int64_t L, Pack&& pack, Unpack&& unpack) {
+    walk_chunks<true>(L, [&](int64_t t0, int64_t n) {
+      pack(t0, n);
+      step(n);
+      unpack(t0, n);
+    });
+  }
+
+ private:
+  void step(int64_t n) {
+    acc_t* scores = scores_.data();
+    acc_t* state = state_.data();
+    small_gemm<acc_t>(false, true, n, n, e_, k_.data(), e_, q_.data(), e_, acc_t(0), scores, kChunk);
+    mask_scores<true>(scores, n);
+    small_gemm<acc_t>(false, false, n, m_, e_, k_.data(), e_, state, mg_, acc_t(0), dv_.data(), m_);
+    small_gemm<acc_t>(false, false, n, m_, n, scores, kChunk, g_.data(), mg_, acc_t(1), dv_.data(), m_);
+    small_gemm<acc_t>(false, true, n, n, mg_, v_.data(), mg_, g_.data(), mg_, acc_t(0), scores, kChunk);
+    mask_scores<true>(scores, n);
+    small_gemm<acc_t>(false, true, n, e_, mg_, v_.data(), mg_, state, mg_, acc_t(0), dk_.data(), e_);
+    small_gemm<acc_t>(false, false, n, e_, n, scores, kChunk, q_.data(), e_, acc_t(1), dk_.data(), e_);
+    small_gemm<acc_t>(true, false, e_, mg_, n, q_.data(), e_, g_.data(), mg_, acc_t(1), state, mg_);
+  }
+
+  int64_t e_, m_, mg_;
+  std::vector<acc_t> q_, k_, g_, v_, scores_, dk_, dv_, state_;
 };
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -445,122 +514,210 @@ void decode_step_cpu_kernel(const ForwardParams& p) {
   });
 }
 
-// The backward's three passes, as work items over (pass, batch, head, column block).
+// One sequence's gradients: dq, dk and dv apart (each in column blocks [c0, c0 + cw) of its
+// output), or dk with dv in one walk.
+template <typename scalar_t>
+struct SequenceGrads {
+  using acc_t = at::opmath_type<scalar_t>;
+  const BackwardParams& p;
+  const Sequence seq;
+  const Rows<const scalar_t> q, k, v, dout, o;
+  const acc_t* den;  // the forward's q' . z + eps, under normalize
+  const acc_t scale;
+  const int64_t E, M, Mg;  // Mg: width of [g, c] and of [v, 1]
+  const acc_t* kv0;
+  const acc_t* k_sum0;
+  const acc_t* dkv1;
+  const acc_t* dk_sum1;
+
+  SequenceGrads(const BackwardParams& p_, int64_t pair)
+      : p(p_), seq(Sequence::of(p_, pair)), q(p_.q, seq), k(p_.k, seq), v(p_.v, seq), dout(p_.dout, seq),
+        o(p_.o, seq), den(p_.normalize ? static_cast<const acc_t*>(p_.den) + seq.row(p_.L, p_.H, 0) : nullptr),
+        scale(static_cast<acc_t>(p_.scale)), E(p_.E), M(p_.M), Mg(p_.M + p_.normalize),
+        kv0(state_slice<acc_t>(p_.initial_kv, seq, E * M)), k_sum0(state_slice<acc_t>(p_.initial_k_sum, seq, E)),
+        dkv1(state_slice<acc_t>(p_.grad_final_kv, seq, E * M)),
+        dk_sum1(state_slice<acc_t>(p_.grad_final_k_sum, seq, E)) {}
+
+  // g = dO / den under normalize, plain dO otherwise.
+  acc_t inv_den(int64_t t) const { return p.normalize ? acc_t(1) / den[t] : acc_t(1); }
+  // [g, c][t] with c = -(g . O) under normalize; plain dO otherwise.
+  void load_grad(int64_t t, acc_t* dst) const {
+    load_row(dout[t], M, inv_den(t), dst);
+    if (p.normalize) {
+      acc_t dot = 0;
+      const scalar_t* o_t = o[t];
+      for (int64_t j = 0; j < M; ++j) dot += dst[j] * static_cast<acc_t>(o_t[j]);
+      dst[M] = -dot;
+    }
+  }
+  void load_v_ones(int64_t t, acc_t* dst) const {
+    load_row(v[t], M, acc_t(1), dst);
+    if (p.normalize) dst[M] = acc_t(1);
+  }
+  // Rows [m][j] = kv[c0 + j][m] of an [Mg, cw] state from a kv-shaped [E, M] state (and a k_sum).
+  void set_transposed(ChunkedCausalProduct<acc_t>& prod, const acc_t* kv, const acc_t* k_sum, int64_t c0,
+                      int64_t cw) const {
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t j = 0; j < cw; ++j) prod.state_row(m)[j] = kv[(c0 + j) * M + m];
+    if (p.normalize)
+      for (int64_t j = 0; j < cw; ++j) prod.state_row(M)[j] = k_sum[c0 + j];
+  }
+  // Without normalize there is no row of ones to carry dz1 into dk: it adds to every row.
+  const acc_t* dk_add() const { return !p.normalize ? dk_sum1 : nullptr; }
+  // dz0 = dz1 + sum_t c[t] q'[t], the row of ones' state under normalize (column of the state's
+  // column j); dz1 (or zero) otherwise.
+  void store_grad_k_sum0(int64_t j, acc_t z) const {
+    acc_t* dk_sum0 = state_slice<acc_t>(p.grad_initial_k_sum, seq, E);
+    if (dk_sum0 != nullptr) dk_sum0[j] = p.normalize ? z : (dk_sum1 != nullptr ? dk_sum1[j] : acc_t(0));
+  }
+
+  // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
+  void grad_q(int64_t c0, int64_t cw) const {
+    ChunkedCausalProduct<acc_t> prod(Mg, cw);
+    if (kv0 != nullptr) set_transposed(prod, kv0, k_sum0, c0, cw);
+    const Rows<scalar_t> dq(p.dq, seq);
+    prod.template run<false>(
+        seq.length,
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) {
+            load_grad(t0 + r, prod.a_row(r));
+            load_v_ones(t0 + r, prod.b_row(r));
+            load_row(k[t0 + r] + c0, cw, acc_t(1), prod.c_row(r));
+          }
+        },
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, scale, dq[t0 + r] + c0);
+        });
+  }
+
+  // dk = [v, 1][s] . ([dS1^T; dz1^T] + sum_{t>=s} [g, c][t] q'[t]^T)
+  void grad_k(int64_t c0, int64_t cw) const {
+    ChunkedCausalProduct<acc_t> prod(Mg, cw);
+    if (dkv1 != nullptr) set_transposed(prod, dkv1, dk_sum1, c0, cw);
+    const acc_t* add = dk_add();
+    const Rows<scalar_t> dk(p.dk, seq);
+    prod.template run<true>(
+        seq.length,
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) {
+            load_v_ones(t0 + r, prod.a_row(r));
+            load_grad(t0 + r, prod.b_row(r));
+            load_row(q[t0 + r] + c0, cw, scale, prod.c_row(r));
+          }
+        },
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) store_dk(prod.out_row(r), add ? add + c0 : nullptr, cw, dk[t0 + r] + c0);
+        });
+    for (int64_t j = 0; j < cw; ++j) store_grad_k_sum0(c0 + j, p.normalize ? prod.state_row(M)[j] : acc_t(0));
+  }
+
+  // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
+  void grad_v(int64_t c0, int64_t cw) const {
+    ChunkedCausalProduct<acc_t> prod(E, cw);
+    if (dkv1 != nullptr) {
+      for (int64_t e = 0; e < E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
+    }
+    const Rows<scalar_t> dv(p.dv, seq);
+    prod.template run<true>(
+        seq.length,
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) {
+            load_row(k[t0 + r], E, acc_t(1), prod.a_row(r));
+            load_row(q[t0 + r], E, scale, prod.b_row(r));
+            load_row(dout[t0 + r] + c0, cw, inv_den(t0 + r), prod.c_row(r));  // g's columns only
+          }
+        },
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dv[t0 + r] + c0);
+        });
+    if (acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, E * M)) {  // dS0 = dS1 + sum_t q'[t] g[t]^T
+      for (int64_t e = 0; e < E; ++e) std::copy(prod.state_row(e), prod.state_row(e) + cw, dkv0 + e * M + c0);
+    }
+  }
+
+  // grad_k and grad_v over all columns, in one walk (ChunkedGradKV)
+  void grad_kv() const {
+    ChunkedGradKV<acc_t> prod(E, M, Mg);
+    if (dkv1 != nullptr) {
+      for (int64_t e = 0; e < E; ++e) {
+        std::copy(dkv1 + e * M, dkv1 + (e + 1) * M, prod.state_row(e));
+        if (p.normalize) prod.state_row(e)[M] = dk_sum1[e];
+      }
+    }
+    const acc_t* add = dk_add();
+    const Rows<scalar_t> dk(p.dk, seq), dv(p.dv, seq);
+    prod.run(
+        seq.length,
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) {
+            load_row(q[t0 + r], E, scale, prod.q_row(r));
+            load_row(k[t0 + r], E, acc_t(1), prod.k_row(r));
+            load_grad(t0 + r, prod.g_row(r));
+            load_v_ones(t0 + r, prod.v_row(r));
+          }
+        },
+        [&](int64_t t0, int64_t n) {
+          for (int64_t r = 0; r < n; ++r) {
+            store_dk(prod.dk_row(r), add, E, dk[t0 + r]);
+            store_row(prod.dv_row(r), M, acc_t(1), dv[t0 + r]);
+          }
+        });
+    acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, E * M);
+    for (int64_t e = 0; e < E; ++e) {
+      if (dkv0 != nullptr) std::copy(prod.state_row(e), prod.state_row(e) + M, dkv0 + e * M);
+      store_grad_k_sum0(e, p.normalize ? prod.state_row(e)[M] : acc_t(0));
+    }
+  }
+
+  static void store_dk(const acc_t* out, const acc_t* add, int64_t n, scalar_t* dst) {
+    if (add == nullptr) return store_row(out, n, acc_t(1), dst);
+    for (int64_t j = 0; j < n; ++j) dst[j] = static_cast<scalar_t>(out[j] + add[j]);
+  }
+};
+
+// The backward as work items. Where every thread has a sequence (batch, head) of its own, two
+// items a sequence, dq and dk with dv in one walk (ChunkedGradKV), adjacent so that
+// at::parallel_for's contiguous ranges give the threads whole sequences' work. Otherwise (fewer
+// sequences than threads), or for states small enough to step one timestep at a time
+// (kMaxRecurrentState: ChunkedCausalProduct's recurrent steps, which the joint walk has not), the
+// three passes apart, over (pass, batch, head, column block), so that column blocks keep the
+// threads busy. Measured on the 2-core machine (float32 backward ms, the passes apart -> dk with dv
+// together, two runs each; RESULTS.md, forty-sixth session): B,H,L,E,M = 4,8,2048,64,64 51-53 ->
+// 44-45; 8,8,1024,32,32 20-21 -> 15-16; 2,8,2048,128,128 58-65 -> 51-54; 1,2,8192,64,64 (two
+// sequences on two threads) 9.9-10.1 -> 8.7-9.4; 2,4,1024,16,16 1.09-1.11 -> 0.98-1.01.
 template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int64_t pairs = p.num_seqs * p.H;
+  if (p.E * p.M > kMaxRecurrentState && pairs >= at::get_num_threads()) {
+    at::parallel_for(0, 2 * pairs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const SequenceGrads<scalar_t> grads(p, item / 2);
+        if (item % 2 == 0) {
+          grads.grad_kv();
+        } else {
+          grads.grad_q(0, p.E);
+        }
+      }
+    });
+    return;
+  }
   const ColumnBlocks e_blocks(p.E, 3 * pairs), m_blocks(p.M, 3 * pairs);
   const int64_t dq_items = pairs * e_blocks.count, dk_items = dq_items, dv_items = pairs * m_blocks.count;
-  const acc_t scale = static_cast<acc_t>(p.scale);
-  const int64_t M = p.M, Mg = p.M + p.normalize;  // width of [g, c] and of [v, 1]
-
   at::parallel_for(0, dq_items + dk_items + dv_items, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       int64_t kind = 0, local = item;  // 0: dq, 1: dk, 2: dv
       if (local >= dq_items) { kind = 1; local -= dq_items; }
       if (kind == 1 && local >= dk_items) { kind = 2; local -= dk_items; }
       const ColumnBlocks& blocks = kind == 2 ? m_blocks : e_blocks;
-      const Sequence seq = Sequence::of(p, local / blocks.count);
+      const SequenceGrads<scalar_t> grads(p, local / blocks.count);
       const int64_t c0 = (local % blocks.count) * blocks.width;
       const int64_t cw = std::min(blocks.width, (kind == 2 ? p.M : p.E) - c0);
-      const Rows<const scalar_t> q(p.q, seq), k(p.k, seq), v(p.v, seq), dout(p.dout, seq), o(p.o, seq);
-      const acc_t* den = p.normalize ? static_cast<const acc_t*>(p.den) + seq.row(p.L, p.H, 0) : nullptr;
-
-      // g = dO / den under normalize, plain dO otherwise.
-      auto inv_den = [&](int64_t t) { return p.normalize ? acc_t(1) / den[t] : acc_t(1); };
-      // [g, c][t] with c = -(g . O) when normalize; plain dO otherwise.
-      auto load_grad = [&](int64_t t, acc_t* dst) {
-        load_row(dout[t], M, inv_den(t), dst);
-        if (p.normalize) {
-          acc_t dot = 0;
-          const scalar_t* o_t = o[t];
-          for (int64_t j = 0; j < M; ++j) dot += dst[j] * static_cast<acc_t>(o_t[j]);
-          dst[M] = -dot;
-        }
-      };
-      auto load_v_ones = [&](int64_t t, acc_t* dst) {
-        load_row(v[t], M, acc_t(1), dst);
-        if (p.normalize) dst[M] = acc_t(1);
-      };
-      const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * M);
-      const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
-      const acc_t* dkv1 = state_slice<acc_t>(p.grad_final_kv, seq, p.E * M);
-      const acc_t* dk_sum1 = state_slice<acc_t>(p.grad_final_k_sum, seq, p.E);
-      // Rows [m][j] = kv[c0 + j][m] of a [Mg, cw] state from a kv-shaped [E, M] state (and a k_sum).
-      auto set_transposed = [&](ChunkedCausalProduct<acc_t>& prod, const acc_t* kv, const acc_t* k_sum) {
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t j = 0; j < cw; ++j) prod.state_row(m)[j] = kv[(c0 + j) * M + m];
-        if (p.normalize)
-          for (int64_t j = 0; j < cw; ++j) prod.state_row(M)[j] = k_sum[c0 + j];
-      };
-
-      if (kind == 0) {  // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
-        ChunkedCausalProduct<acc_t> prod(Mg, cw);
-        if (kv0 != nullptr) set_transposed(prod, kv0, k_sum0);
-        const Rows<scalar_t> dq(p.dq, seq);
-        prod.template run<false>(
-            seq.length,
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) {
-                load_grad(t0 + r, prod.a_row(r));
-                load_v_ones(t0 + r, prod.b_row(r));
-                load_row(k[t0 + r] + c0, cw, acc_t(1), prod.c_row(r));
-              }
-            },
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, scale, dq[t0 + r] + c0);
-            });
-      } else if (kind == 1) {  // dk = [v, 1][s] . ([dS1^T; dz1^T] + sum_{t>=s} [g, c][t] q'[t]^T)
-        ChunkedCausalProduct<acc_t> prod(Mg, cw);
-        if (dkv1 != nullptr) set_transposed(prod, dkv1, dk_sum1);
-        // Without normalize there is no row of ones to carry dz1 into dk: it adds to every row.
-        const acc_t* dk_add = (!p.normalize && dk_sum1 != nullptr) ? dk_sum1 + c0 : nullptr;
-        const Rows<scalar_t> dk(p.dk, seq);
-        prod.template run<true>(
-            seq.length,
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) {
-                load_v_ones(t0 + r, prod.a_row(r));
-                load_grad(t0 + r, prod.b_row(r));
-                load_row(q[t0 + r] + c0, cw, scale, prod.c_row(r));
-              }
-            },
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) {
-                const acc_t* out = prod.out_row(r);
-                scalar_t* dst = dk[t0 + r] + c0;
-                for (int64_t j = 0; j < cw; ++j) dst[j] = static_cast<scalar_t>(dk_add ? out[j] + dk_add[j] : out[j]);
-              }
-            });
-        if (acc_t* dk_sum0 = state_slice<acc_t>(p.grad_initial_k_sum, seq, p.E)) {
-          // dz0 = dz1 + sum_t c[t] q'[t]: the row of ones' state
-          for (int64_t j = 0; j < cw; ++j) {
-            dk_sum0[c0 + j] = p.normalize ? prod.state_row(M)[j] : (dk_sum1 != nullptr ? dk_sum1[c0 + j] : acc_t(0));
-          }
-        }
-      } else {  // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
-        ChunkedCausalProduct<acc_t> prod(p.E, cw);
-        if (dkv1 != nullptr) {
-          for (int64_t e = 0; e < p.E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
-        }
-        const Rows<scalar_t> dv(p.dv, seq);
-        prod.template run<true>(
-            seq.length,
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) {
-                load_row(k[t0 + r], p.E, acc_t(1), prod.a_row(r));
-                load_row(q[t0 + r], p.E, scale, prod.b_row(r));
-                load_row(dout[t0 + r] + c0, cw, inv_den(t0 + r), prod.c_row(r));  // g's columns only
-              }
-            },
-            [&](int64_t t0, int64_t n) {
-              for (int64_t r = 0; r < n; ++r) store_row(prod.out_row(r), cw, acc_t(1), dv[t0 + r] + c0);
-            });
-        if (acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, p.E * M)) {
-          // dS0 = dS1 + sum_t q'[t] g[t]^T: the final state
-          for (int64_t e = 0; e < p.E; ++e) std::copy(prod.state_row(e), prod.state_row(e) + cw, dkv0 + e * M + c0);
-        }
+      if (kind == 0) {
+        grads.grad_q(c0, cw);
+      } else if (kind == 1) {
+        grads.grad_k(c0, cw);
+      } else {
+        grads.grad_v(c0, cw);
       }
     }
   });
