@@ -104,3 +104,24 @@ def test_states_must_have_one_row_per_sequence():
     state = make_state(len(LENGTHS) - 1, 2, 6, 7, torch.float32, True)
     with pytest.raises(RuntimeError, match=r"initial_state.kv must have shape \[5, 2, 6, 7\] \(\[N, H, E, M\]\), got \[4, 2, 6, 7\]"):
         fast_causal_attn.causal_linear_attention(q, k, v, normalize=True, initial_state=state, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_packed_gradcheck_cpu_joint_walk(normalize):
+    """Packed sequences (an empty one and a single step among them) through the CPU backward's
+    dk-with-dv walk, which takes states above the size stepped one timestep at a time (E x M >
+    128): gradcheck, states in and out."""
+    lengths = [3, 0, 35, 1]
+    q, k, v, cu = packed_case("bhld", normalize, torch.float64, lengths=lengths, E=12, M=11)
+    if normalize:
+        q, k = q + 0.1, k + 0.1
+    kv0, k_sum0 = make_state(len(lengths), 2, 12, 11, torch.float64, normalize)
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, kv0, k_sum0))
+
+    def f(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(
+            q, k, v, scale=0.8, normalize=normalize, initial_state=fast_causal_attn.State(kv0, k_sum0),
+            return_final_state=True, cu_seqlens=cu)
+        return out, state.kv, state.k_sum
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
