@@ -108,6 +108,18 @@ __device__ __forceinline__ void split2(float x0, float x1, float scale, uint32_t
   }
 }
 
+// The largest |v[i]| for i in [kBegin, kBegin + kCount), as a tree of FMNMX with |.| operands
+// (one an element, where the magnitudes' bits and an integer max took two). A NaN is passed over
+// (it comes out of the products as a NaN all the same).
+template <int kBegin, int kCount>
+__device__ __forceinline__ float largest_magnitude(const float (&v)[32]) {
+  if constexpr (kCount == 2) {
+    return fmaxf(fabsf(v[kBegin]), fabsf(v[kBegin + 1]));
+  } else {
+    return fmaxf(largest_magnitude<kBegin, kCount / 2>(v), largest_magnitude<kBegin + kCount / 2, kCount / 2>(v));
+  }
+}
+
 // The largest of x over the 4 lanes of a quad (one row of a fragment)
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -335,7 +347,6 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     const float4 w = *reinterpret_cast<const float4*>(warp_max + 4 * t);
     return scale_exponent(fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w)));
   };
-  auto abs_bits = [](float x) { return __float_as_uint(x) & 0x7fffffffu; };
 
   // Chunk it's staged tiles (A unless state-only, B, Cc) scaled and split in place into float16
   // heads and tails; k[t]: tile t's scale exponent. Four threads a row, thread q of the four its
@@ -352,7 +363,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
     for (int t = 0; t < 3; ++t) {
       if (t == 0 && state_only) continue;
-      uint32_t largest = 0;
+      float largest = 0.f;  // (the magnitudes' bits order as the floats do)
 #pragma unroll
       for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
@@ -363,9 +374,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
             const float4 v =
                 *reinterpret_cast<const float4*>(wgmma_smem + slot + kTile * t + 8192 * (a ^ d_odd) + 128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
             x[t][pass][a][d] = v;
-            largest = max(largest, max(max(abs_bits(v.x), abs_bits(v.y)), max(abs_bits(v.z), abs_bits(v.w))));
+            largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
           }
-      offer_largest(t, largest);
+      offer_largest(t, __float_as_uint(largest));
     }
     named_sync(kOwn + me);
 #pragma unroll
@@ -401,10 +412,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   auto publish = [&](const float (&s)[32]) {
 #pragma unroll
     for (int v = 0; v < 8; ++v) master[128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
-    uint32_t largest = 0;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) largest = max(largest, abs_bits(s[i]));
-    offer_largest(3, largest);
+    offer_largest(3, __float_as_uint(largest_magnitude<0, 32>(s)));
     named_sync(kOwn + me);
     const uint32_t k = tile_exponent(3);
     const float scale = scale_of(k);
@@ -513,7 +521,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         const uint32_t kp = scale_exponent(quad_max(largest[h]));
         largest[h] = scale_of(kp);
         // out_pc = 2^(α + β + p_r + γ) P Cc
-        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2]));
+        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2])) * factor;
       }
 #pragma unroll
       for (int s = 0; s < 4; ++s)
@@ -528,18 +536,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
     // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
-    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0]));
+    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0])) * factor;
     times<kSplit, 1>(out_as, TileHalves<0>(slot + kA), s16, false);  // 2^(α + σ) A S
     commit();
-    wait<0>();
-    if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
-    // S += the sums, rounded in float32, handed to the other consumer for chunk it + 1
+    // S += the sums, rounded in float32, while A S runs (P Cc's and the sums' group done), handed
+    // to the other consumer for chunk it + 1 once A S has read S16
     {
+      wait<1>();
       const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
       float s[32];
       read_master(s);
 #pragma unroll
       for (int i = 0; i < 32; ++i) s[i] += sums[i] * inverse;
+      wait<0>();
+      if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
       if (it + 1 < chunks) {
         publish(s);
         wgmma::fence_shared_writes();  // (for the other's A S)
@@ -553,7 +563,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     const int n = work.chunk_len(t0, C);
     float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
-    auto value = [&](int i) { return (out_pc[i] * pc_inverse[(i / 2) % 2] + out_as[i] * as_inverse) * factor; };
+    // (the factor in the inverses, each a power of two: one FMUL an output fewer; an output near
+    // float32's underflow may round differently, as any product scaled back there does)
+    auto value = [&](int i) { return out_pc[i] * pc_inverse[(i / 2) % 2] + out_as[i] * as_inverse; };
     auto stores = [&](auto store) {
       auto each = [&](auto inside) {
 #pragma unroll
