@@ -24,12 +24,13 @@ def test_gradcheck(shape, layout, normalize, device):
     assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-8, rtol=1e-6)
 
 
-@pytest.mark.parametrize("threads", [1, 4], ids=["dk_with_dv", "passes_apart"])
+@pytest.mark.parametrize("threads", [1, 5], ids=["dk_with_dv", "passes_apart"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 def test_gradcheck_cpu_backward_walks(normalize, threads):
-    """The CPU backward takes dk and dv in one walk where every thread has a sequence of its own
-    (here one thread, two sequences), the three passes apart where not (four threads): both, with
-    states in and out, at a state above the size stepped one timestep at a time (E x M > 128)."""
+    """The CPU backward takes dk and dv in one walk where its two items a sequence (dq, dk with
+    dv) give every thread one (here two sequences, one thread), the three passes apart where not
+    (five threads): both, with states in and out, at a state above the size stepped one timestep
+    at a time (E x M > 128)."""
     q, k, v = make_inputs(1, 2, 45, 12, 13, dtype=torch.float64, device="cpu", normalize=normalize)
     if normalize:
         q, k = q + 0.1, k + 0.1

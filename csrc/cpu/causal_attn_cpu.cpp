@@ -675,20 +675,24 @@ struct SequenceGrads {
   }
 };
 
-// The backward as work items. Where every thread has a sequence (batch, head) of its own, two
-// items a sequence, dq and dk with dv in one walk (ChunkedGradKV), adjacent so that
-// at::parallel_for's contiguous ranges give the threads whole sequences' work. Otherwise (fewer
-// sequences than threads), or for states small enough to step one timestep at a time
+// The backward as work items. Where the items give every thread one, two items a sequence (batch,
+// head): dq, and dk with dv in one walk (ChunkedGradKV), adjacent so that at::parallel_for's
+// contiguous ranges give the threads whole sequences' work where there are enough. Otherwise
+// (fewer items than threads), or for states small enough to step one timestep at a time
 // (kMaxRecurrentState: ChunkedCausalProduct's recurrent steps, which the joint walk has not), the
 // three passes apart, over (pass, batch, head, column block), so that column blocks keep the
 // threads busy. Measured on the 2-core machine (float32 backward ms, the passes apart -> dk with dv
-// together, two runs each; RESULTS.md, forty-sixth session): B,H,L,E,M = 4,8,2048,64,64 51-53 ->
-// 44-45; 8,8,1024,32,32 20-21 -> 15-16; 2,8,2048,128,128 58-65 -> 51-54; 1,2,8192,64,64 (two
-// sequences on two threads) 9.9-10.1 -> 8.7-9.4; 2,4,1024,16,16 1.09-1.11 -> 0.98-1.01.
+// together; RESULTS.md, forty-sixth session): B,H,L,E,M = 4,8,2048,64,64 51-53 -> 44-45;
+// 8,8,1024,32,32 20-21 -> 15-16; 2,8,2048,128,128 58-65 -> 51-54; 1,2,8192,64,64 9.9-10.1 ->
+// 8.7-9.4; 2,4,1024,16,16 1.09-1.11 -> 0.98-1.01. One sequence, its two items on the two threads
+// against six half-width passes (three runs each): 1,1,16384,64,64 10.1-10.9 -> 8.2-9.2;
+// 1,1,8192,128,128 16.9-18.3 -> 11.5-15.1; 1,1,4096,64,64 2.5-3.6 -> 2.0-2.7; 1,1,2048,256,256
+// 10.0-10.5 -> 9.1-9.5 (the joint walk does more than dq, but no pass recomputes scores for a
+// column block).
 template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
   const int64_t pairs = p.num_seqs * p.H;
-  if (p.E * p.M > kMaxRecurrentState && pairs >= at::get_num_threads()) {
+  if (p.E * p.M > kMaxRecurrentState && 2 * pairs >= at::get_num_threads()) {
     at::parallel_for(0, 2 * pairs, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const SequenceGrads<scalar_t> grads(p, item / 2);
