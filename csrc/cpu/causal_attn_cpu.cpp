@@ -8,7 +8,8 @@
 //     out_chunk = mask(A B^T) C + A S,   then   S += B^T C.
 // The operands are packed per chunk into contiguous accumulation-dtype buffers, which is where
 // scale, dtype conversion, layout strides and the normalize terms are applied: the products
-// themselves are plain small GEMMs.
+// themselves are plain small GEMMs. dk and dv, whose states are each other's transposes, mostly
+// run as one walk with one state (ChunkedGradKV; backward_cpu_kernel says where).
 #include <algorithm>
 #include <type_traits>
 #include <utility>
