@@ -565,11 +565,14 @@ struct SequenceGrads {
   }
   // Without normalize there is no row of ones to carry dz1 into dk: it adds to every row.
   const acc_t* dk_add() const { return !p.normalize ? dk_sum1 : nullptr; }
-  // dz0 = dz1 + sum_t c[t] q'[t], the row of ones' state under normalize (column of the state's
-  // column j); dz1 (or zero) otherwise.
-  void store_grad_k_sum0(int64_t j, acc_t z) const {
+  // dz0[j] for j in [begin, begin + count), where asked for: dz1 + sum_t c[t] q'[t] under normalize,
+  // the row of ones' state, z(j); dz1 (or zero) otherwise (no row of ones: nothing adds to it).
+  template <class Z>
+  void store_grad_k_sum0(int64_t begin, int64_t count, Z&& z) const {
     acc_t* dk_sum0 = state_slice<acc_t>(p.grad_initial_k_sum, seq, E);
-    if (dk_sum0 != nullptr) dk_sum0[j] = p.normalize ? z : (dk_sum1 != nullptr ? dk_sum1[j] : acc_t(0));
+    if (dk_sum0 == nullptr) return;
+    for (int64_t j = begin; j < begin + count; ++j)
+      dk_sum0[j] = p.normalize ? z(j) : (dk_sum1 != nullptr ? dk_sum1[j] : acc_t(0));
   }
 
   // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
@@ -609,7 +612,7 @@ struct SequenceGrads {
         [&](int64_t t0, int64_t n) {
           for (int64_t r = 0; r < n; ++r) store_dk(prod.out_row(r), add ? add + c0 : nullptr, cw, dk[t0 + r] + c0);
         });
-    for (int64_t j = 0; j < cw; ++j) store_grad_k_sum0(c0 + j, p.normalize ? prod.state_row(M)[j] : acc_t(0));
+    store_grad_k_sum0(c0, cw, [&](int64_t j) { return prod.state_row(M)[j - c0]; });
   }
 
   // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
@@ -663,11 +666,10 @@ struct SequenceGrads {
             store_row(prod.dv_row(r), M, acc_t(1), dv[t0 + r]);
           }
         });
-    acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, E * M);
-    for (int64_t e = 0; e < E; ++e) {
-      if (dkv0 != nullptr) std::copy(prod.state_row(e), prod.state_row(e) + M, dkv0 + e * M);
-      store_grad_k_sum0(e, p.normalize ? prod.state_row(e)[M] : acc_t(0));
+    if (acc_t* dkv0 = state_slice<acc_t>(p.grad_initial_kv, seq, E * M)) {
+      for (int64_t e = 0; e < E; ++e) std::copy(prod.state_row(e), prod.state_row(e) + M, dkv0 + e * M);
     }
+    store_grad_k_sum0(0, E, [&](int64_t e) { return prod.state_row(e)[M]; });
   }
 
   static void store_dk(const acc_t* out, const acc_t* add, int64_t n, scalar_t* dst) {
