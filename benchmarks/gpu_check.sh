@@ -208,6 +208,8 @@ if has sanitize; then
   sanitize wgmma_256 "(test_16_bit_head_dims_above_128 and (B1H1L100E136M200 or B2H1L130E256M40) and blhd and (1-wgmma or 3-wgmma)) or (test_16_bit_two_reverse_passes and B2H3L333E40M24 and 3-)" tests/test_wgmma.py
   # float32's wgmma forward and dq (3xTF32): segments, partial chunks, rows at any alignment
   sanitize wgmma_tf32 "test_float32_plain and (B2H3L333E40M24 or B2H1L130E200M136) and blhd and (1-wgmma or 3-wgmma) or test_float32_unaligned_rows and not sync" tests/test_wgmma.py
+  # float32's row tiles one launch each (tile 0 stores, the later ones add)
+  sanitize row_tile_launches "test_float32_row_tiles_one_launch_each and B2H1L130E200M136 and blhd" tests/test_wgmma.py
   sanitize default "test_matches_reference and cuda and (B2H3L65E16M16 or B1H1L65E257M1 or B2H2L65E3M17) and (float32 or bfloat16)"
   # the chunk pipelines the default does not take (one buffer in 16 bits, two in float32)
   sanitize buffers "test_tensor_core_chunk_buffers and B2H3L300E64M64"

@@ -527,15 +527,18 @@ def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
 
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
-@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("segments,launches", [("1", "0"), ("3", "0"), ("1", "1")],
+                         ids=["one-segment-grid", "three-segments-grid", "one-launch-a-tile"])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_float32_row_tiles_are_deterministic(head_dim, segments, monkeypatch):
-    """Above 64 rows of the state, the float32 wgmma kernel's row tiles add their outputs two by
-    two into zeroed buffers in whichever order they finish (above 128, tiles 2 and 3 into their
-    own, added to the output after): 0 + x + y rounds as 0 + y + x, so the forward and the
-    gradients repeat bit for bit (and the output buffers, NaN-filled when allocated, are zeroed
-    first)."""
+def test_float32_row_tiles_are_deterministic(head_dim, segments, launches, monkeypatch):
+    """Above 64 rows of the state, the float32 wgmma kernel's row tiles in one grid add their
+    outputs two by two into zeroed buffers in whichever order they finish (above 128, tiles 2 and
+    3 into their own, added to the output after): 0 + x + y rounds as 0 + y + x; run one launch a
+    tile (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1), tile 0 stores and the later ones add in launch
+    order. Either way the forward and the gradients repeat bit for bit (and the output buffers,
+    NaN-filled when allocated, are zeroed or written whole first)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", launches)
     q, k, v = make_inputs(2, 8, 700, head_dim, head_dim, dtype=torch.float32, device="cuda")
     grad_out = torch.randn_like(v)
 
@@ -548,6 +551,57 @@ def test_float32_row_tiles_are_deterministic(head_dim, segments, monkeypatch):
     for _ in range(3):
         for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), first, run()):
             assert torch.equal(x, y), name
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (2, 3, 130, 128, 64), (2, 1, 130, 200, 136),
+                                   (1, 2, 300, 256, 256), (2, 1, 200, 64, 256)], ids=shape_id)
+def test_float32_row_tiles_one_launch_each(shape, layout, monkeypatch):
+    """float32's row tiles one launch each (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1, in one segment):
+    tile 0 stores its outputs and the later tiles add into them (no zeroed buffers; the outputs
+    NaN-filled when allocated), with partial tiles and E != M, both layouts: within float32's 1e-5
+    of float64. (test_float32_row_tiles_launch_choice counts the launches.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=0.8, normalize=False, layout=layout)
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+def test_float32_row_tiles_launch_choice(monkeypatch):
+    """By default float32's row tiles run one launch each where one row tile's blocks take as many
+    rounds of the multiprocessors as all tiles' would in one launch (2 * sms pairs at E = M = 128:
+    4 rounds either way), and in one grid where not (a pair: one round against two) or where the
+    pass runs in segments; FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=0 keeps the grid."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def launches(B, H, L):
+        q, k, v = make_inputs(B, H, L, 128, 128, dtype=torch.float32, device="cuda")
+        return wgmma_tf32_launches(lambda: fast_causal_attn.causal_dot_product(q, k, v))
+
+    assert launches(2, sms, 128) == {"0": 2}
+    assert launches(1, 1, 256) == {"0": 1}
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "2")
+    assert launches(2, sms, 256) == {"0": 2}  # the state-only launch and the pass, row tiles in its grid
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "0")
+    assert launches(2, sms, 128) == {"0": 1}
+    # forced, every pass once a tile of its state's rows: the forward's and dv's E = 200 (4 tiles),
+    # dq's and dk's M = 136 (3)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
+    q, k, v = make_inputs(2, 1, 130, 200, 136, dtype=torch.float32, device="cuda")
+
+    def grads():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
+
+    assert wgmma_tf32_launches(grads) == {"0": 4, "1": 3, "2": 3, "3": 4}
 
 
 @CUDA

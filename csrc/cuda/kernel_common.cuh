@@ -54,10 +54,14 @@ struct KernelParams : BackwardParams {
   // writes the output. Unused (nullptr, 1 slab) otherwise.
   int64_t slabs = 1;
   void* slab_out = nullptr;  // [B, H, L, Dc] contiguous, accumulation dtype, zeroed
-  // The float32 wgmma kernel's row tiles 2 and 3 (above 128 of the state's rows) add their
-  // outputs here, tiles 0 and 1 into the output: a zeroed buffer with the output's strides, added
-  // to it after the pass (see RowTileSums in wgmma_launch.cuh).
+  // The float32 wgmma kernel's row tiles (above 64 of the state's rows), where they are all in
+  // one launch (row_tile < 0): tiles 2 and 3 (above 128) add their outputs here, tiles 0 and 1
+  // into the output: a zeroed buffer with the output's strides, added to it after the pass (see
+  // RowTileSums in wgmma_launch.cuh). Where they run one launch each (row_tile >= 0: the tile
+  // every block of this launch takes), tile 0 stores its outputs and each later tile adds into
+  // them, ordered by the stream (see row_tiles_in_sequence).
   float* upper_row_tiles_out = nullptr;
+  int64_t row_tile = -1;
   void* slab_den = nullptr;  // [B, H, L] contiguous, accumulation dtype, zeroed (forward normalize)
 
   // The low-occupancy variant splits time into segments, one block each: a first launch

@@ -150,6 +150,30 @@ struct RowTileSums {
   }
 };
 
+// Whether float32's row tiles (above 64 of the state's rows) run one launch each
+// (KernelParams::row_tile: tile 0 stores its outputs, each later tile adds into them, in stream
+// order) rather than all in one grid (RowTileSums: the output zeroed first, and above 128 rows a
+// second zeroed buffer, added to the output after the pass): where the pass runs in one segment
+// and one row tile's `tile_blocks` blocks take as many rounds of the multiprocessors (one block
+// each) a launch as all tiles' blocks would in one, so that the launches cost no parallelism and
+// the zeroed buffers go. Measured (H100, RESULTS.md, forty-seventh session; do_bench fwd+bwd ms,
+// one grid / one launch a tile): 8,16,2048,128 1.651 / 1.607, 4,16,8192,128 3.289 / 3.136,
+// 4,16,2048,256 3.712 / 3.150. Each pass's kernels take 8-11% longer in sequence (a tile's adds
+// meet outputs long since written, and its v is read again), less than the memsets (and above
+// 128 rows the add) they replace. In segments (1,16,32768,128: two) one tile a launch would need
+// twice the segments to fill the device, and so a longer state-only launch: not measured.
+// FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1 runs them so wherever the pass runs in one segment, =0
+// never (for the tests and for measuring).
+inline bool row_tiles_in_sequence(int64_t row_tiles, int64_t tile_blocks, int64_t segments) {
+  if (row_tiles <= 1 || segments != 1) return false;
+  const char* forced = std::getenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES");
+  if (forced != nullptr && std::strcmp(forced, "0") == 0) return false;
+  if (forced != nullptr && std::strcmp(forced, "1") == 0) return true;
+  const int64_t sms = multiprocessor_count();
+  const auto rounds = [sms](int64_t blocks) { return (blocks + sms - 1) / sms; };
+  return row_tiles * rounds(tile_blocks) <= rounds(row_tiles * tile_blocks);
+}
+
 // Whether pass P's `segments` time segments (the count the launch will run) take one launch
 // (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
 // 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
@@ -208,7 +232,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // rows split between two warpgroups on column tiles of 64. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (for
   // measuring): one warpgroup a block, column tiles of 64. float32: two consumer warpgroups on
   // alternate chunks, column tiles of 64, and above 64 rows of the state up to four row tiles,
-  // one block each, summing their outputs (RowTileSums).
+  // one block each, summing their outputs (one launch a tile, or RowTileSums: row_tiles_in_sequence).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
   const bool one_group = forced_groups && std::strcmp(forced_groups, "1") == 0;
@@ -290,10 +314,18 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
-  const RowTileSums<P> sums(p, row_tiles, Dc, stream);
-  launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
-                      one_launch ? one_launch_kernel : nullptr);
-  sums.finish(p);
+  if (kFloat && row_tiles_in_sequence(row_tiles, blocks / row_tiles, p.segments)) {
+    for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)
+      KernelParams tile_params = p;
+      tile_params.row_tile = tile;
+      launch_segmented<P>(kernel, tile_params, workspace, blocks / row_tiles, threads, smem, stream, Da, Dc, col_tiles);
+    }
+  } else {
+    const RowTileSums<P> sums(p, row_tiles, Dc, stream);
+    launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
+                        one_launch ? one_launch_kernel : nullptr);
+    sums.finish(p);
+  }
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();
   }

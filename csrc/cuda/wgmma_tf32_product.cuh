@@ -38,10 +38,13 @@
 //
 // A block holds 64 of the state's rows (Da) and 64 of its columns (Dc). Wider states run in column
 // tiles (each block its own outputs) and, up to 256 rows, in up to four row tiles (O is a sum over
-// the state's rows): row tiles 0 and 1 add their outputs into the zeroed output, 2 and 3 into a
-// zeroed buffer added to it after the pass (0 + x + y rounds as 0 + y + x: each sum repeats bit for
-// bit). Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork, Operands,
-// segments and their scan, SegmentStart / SegmentEnd, launch_wgmma).
+// the state's rows). Where one launch a row tile takes no more rounds of blocks than all in one
+// (row_tiles_in_sequence), the tiles run one launch each: tile 0 stores its outputs and each
+// later tile adds into them, in stream order. Otherwise they share the grid: row tiles 0 and 1
+// add their outputs into the zeroed output, 2 and 3 into a zeroed buffer added to it after the
+// pass (0 + x + y rounds as 0 + y + x). Either way each sum repeats bit for bit. Around the chunk
+// loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments and their scan,
+// SegmentStart / SegmentEnd, launch_wgmma).
 //
 // Shared memory: kSlots slots of A, B, Cc (48 KB each), the state's float32 master (each consumer
 // thread its own 32 elements, the accumulator layout) and S16's head and tail: 224 KB.
@@ -260,7 +263,8 @@ struct Stager {
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
 // state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
-// up to 256: the block's row tile from work.k0, its column tile from work.m0. kSplit: float32
+// up to 256: the block's row tile from work.k0 (from the grid, or KernelParams::row_tile where the
+// row tiles run one launch each), its column tile from work.m0. kSplit: float32
 // from float16 heads and tails; without, the heads alone (where the user allowed TF32).
 //
 // Three warpgroups: a producer that copies each chunk into its slot (cp.async), and two consumers
@@ -281,12 +285,22 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
   const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows
-  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
+  // the row tiles in the grid, or this launch's one (KernelParams::row_tile)
+  const bool tiles_in_grid = p.row_tile < 0;
+  const chunked::BlockWork<P, float> work = [&] {
+    chunked::BlockWork<P, float> w(p, col_tiles, C, Dc, tiles_in_grid ? row_tiles : 1, C);
+    if (!tiles_in_grid) w.k0 = p.row_tile * C;
+    return w;
+  }();
   const Operands<P, float, float> ops = work.operands(p);
-  // row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's place in it
-  float* const out_rows = work.k0 >= 2 * C
+  // in the grid, row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's
+  // place in it
+  float* const out_rows = tiles_in_grid && work.k0 >= 2 * C
                               ? p.upper_row_tiles_out + (ops.out - static_cast<float*>(pass_output<P>(p).ptr))
                               : ops.out;
+  // the first row tile of a launch of its own stores; every other row tile adds (two in the grid
+  // into one zeroed buffer; one a launch into what the launches before it left)
+  const bool adds_outputs = row_tiles > 1 && p.row_tile != 0;
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
@@ -581,7 +595,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         each([&](int h, int j) { return row + 8 * h < n && 8 * j + 2 * q4 < work.cols; });
       }
     };
-    if (row_tiles > 1) {  // two row tiles' sums into a zeroed buffer: 0 + x + y, either order alike
+    if (adds_outputs) {  // in the grid, two row tiles into a zeroed buffer: 0 + x + y, either order alike
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
