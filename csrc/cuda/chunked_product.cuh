@@ -175,15 +175,16 @@ struct BlockWork {
   int64_t m0;
   int cols;          // columns of c this block owns: min(nb, Dc - m0)
   // The state's rows (a's and b's columns) this block owns from k0 on: all (k0 = 0), or with
-  // row_tiles > 1 a tile of `rows` (the float32 wgmma kernel: its blocks' outputs are summed)
+  // row_tiles > 1 a tile of `rows` (the float32 wgmma kernel: its blocks' outputs are summed),
+  // from the grid or, where the launch runs one tile (KernelParams::row_tile), that tile
   int64_t k0 = 0;
   int64_t L;         // the sequence's timesteps
   int64_t den_row;   // the sequence's first row of den [B, H, L]
   int64_t seg_begin, seg_end;  // the segment's timesteps of the sequence
   bool state_only, extra_row, denominator, track_key_sum;
 
-  // With row tiles: grid.x = ((pair * row_tiles + row tile) * col_tiles + column tile) * segments
-  // + segment. `block`: the block's place in that order where it is not blockIdx.x (a ticket:
+  // With row tiles in the grid: grid.x = ((pair * row_tiles + row tile) * col_tiles + column
+  // tile) * segments + segment. `block`: the block's place in that order where it is not blockIdx.x (a ticket:
   // KernelParams::lookback).
   __device__ BlockWork(const KernelParams& p, int64_t col_tiles, int nb, int64_t Dc, int64_t row_tiles = 1,
                        int rows = 0, int64_t block = -1) {
@@ -192,7 +193,9 @@ struct BlockWork {
     segment = segment_of_block<P>(p, index);
     col_tile = index % col_tiles;
     index /= col_tiles;
-    if (row_tiles > 1) {
+    if (p.row_tile >= 0) {
+      k0 = p.row_tile * rows;
+    } else if (row_tiles > 1) {
       k0 = (index % row_tiles) * rows;
       index /= row_tiles;
     }

@@ -314,11 +314,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
-  if (kFloat && row_tiles_in_sequence(row_tiles, blocks / row_tiles, p.segments)) {
+  const int64_t tile_blocks = blocks / row_tiles;  // one row tile's
+  if (kFloat && row_tiles_in_sequence(row_tiles, tile_blocks, p.segments)) {
     for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)
       KernelParams tile_params = p;
       tile_params.row_tile = tile;
-      launch_segmented<P>(kernel, tile_params, workspace, blocks / row_tiles, threads, smem, stream, Da, Dc, col_tiles);
+      launch_segmented<P>(kernel, tile_params, workspace, tile_blocks, threads, smem, stream, Da, Dc, col_tiles);
     }
   } else {
     const RowTileSums<P> sums(p, row_tiles, Dc, stream);

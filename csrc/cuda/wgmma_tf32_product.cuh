@@ -285,13 +285,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
   const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows
-  // the row tiles in the grid, or this launch's one (KernelParams::row_tile)
+  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
+  // the row tiles in the grid, or this launch's one (KernelParams::row_tile; BlockWork takes it)
   const bool tiles_in_grid = p.row_tile < 0;
-  const chunked::BlockWork<P, float> work = [&] {
-    chunked::BlockWork<P, float> w(p, col_tiles, C, Dc, tiles_in_grid ? row_tiles : 1, C);
-    if (!tiles_in_grid) w.k0 = p.row_tile * C;
-    return w;
-  }();
   const Operands<P, float, float> ops = work.operands(p);
   // in the grid, row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's
   // place in it
