@@ -123,6 +123,11 @@ __device__ __forceinline__ float largest_magnitude(const float (&v)[32]) {
   }
 }
 
+// The L2 line holding `at` fetched ahead (a hint: no fault, nothing waits for it)
+__device__ __forceinline__ void prefetch_l2(const float* at) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
+}
+
 // The largest of x over the 4 lanes of a quad (one row of a fragment)
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -297,6 +302,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // the first row tile of a launch of its own stores; every other row tile adds (two in the grid
   // into one zeroed buffer; one a launch into what the launches before it left)
   const bool adds_outputs = row_tiles > 1 && p.row_tile != 0;
+  const bool prefetch_outputs = adds_outputs && !tiles_in_grid;
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
@@ -498,6 +504,17 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const uint32_t s16 = base + uint32_t(kS16);
   for (int64_t it = me; it < chunks; it += kConsumers) {
     mbarrier_wait(full(it), phase(it));
+    const int64_t t0 = chunk_begin(it);
+    const int n = work.chunk_len(t0, C);
+    // A row tile launched after another adds into outputs that launch wrote, mostly gone from the
+    // L2 by now: the chunk's output lines fetched ahead, while its products run, so that the
+    // reductions at its end meet them there (the four lanes of a quad 64 bytes of a row each)
+    if (prefetch_outputs && 16 * q4 < work.cols) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row + 8 * h < n) prefetch_l2(out_rows + (t0 + row + 8 * h) * ops.out_l + work.m0 + 16 * q4);
+      }
+    }
     uint32_t k[3];  // α, β, γ
     derive(it, k);
     const uint32_t slot = base + uint32_t(slot_at(it));
@@ -569,8 +586,6 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       }
     }
 
-    const int64_t t0 = chunk_begin(it);
-    const int n = work.chunk_len(t0, C);
     float* to = out_rows + (t0 + row) * ops.out_l + work.m0 + 2 * q4;  // row, then row + 8
     const int64_t to_h = 8 * ops.out_l;
     // (the factor in the inverses, each a power of two: one FMUL an output fewer; an output near
