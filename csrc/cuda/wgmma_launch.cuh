@@ -160,7 +160,10 @@ struct RowTileSums {
 // one grid / one launch a tile): 8,16,2048,128 1.651 / 1.607, 4,16,8192,128 3.289 / 3.136,
 // 4,16,2048,256 3.712 / 3.150. Each pass's kernels take 8-11% longer in sequence (a tile's adds
 // meet outputs long since written, and its v is read again), less than the memsets (and above
-// 128 rows the add) they replace. In segments (1,16,32768,128: two) one tile a launch would need
+// 128 rows the add) they replace; the adding launches' prefetch of their output lines took a
+// fifth of that back (forty-eighth session). Chaining the tiles in one grid instead (each tile
+// adding once the tile before has written the chunk, through flags: no memsets) cost each pass
+// 15% (benchmarks/experiments/tf32_row_tile_chain.patch). In segments (1,16,32768,128: two) one tile a launch would need
 // twice the segments to fill the device, and so a longer state-only launch: not measured.
 // FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1 runs them so wherever the pass runs in one segment, =0
 // never (for the tests and for measuring).
