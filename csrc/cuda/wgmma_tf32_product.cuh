@@ -302,7 +302,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // the first row tile of a launch of its own stores; every other row tile adds (two in the grid
   // into one zeroed buffer; one a launch into what the launches before it left)
   const bool adds_outputs = row_tiles > 1 && p.row_tile != 0;
-  const bool prefetch_outputs = adds_outputs && !tiles_in_grid;
+  const bool prefetch_outputs = p.row_tile > 0;  // a later tile's launch of its own
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
@@ -606,7 +606,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         each([&](int h, int j) { return row + 8 * h < n && 8 * j + 2 * q4 < work.cols; });
       }
     };
-    if (adds_outputs) {  // in the grid, two row tiles into a zeroed buffer: 0 + x + y, either order alike
+    if (adds_outputs) {  // (see adds_outputs: in the grid 0 + x + y, either order alike; one launch a tile in order)
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
