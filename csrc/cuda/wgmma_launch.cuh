@@ -177,6 +177,30 @@ inline bool row_tiles_in_sequence(int64_t row_tiles, int64_t tile_blocks, int64_
   return row_tiles * rounds(tile_blocks) <= rounds(row_tiles * tile_blocks);
 }
 
+// A later row tile's launch (row_tiles_in_sequence), programmatic: it may start while the tile
+// before it runs its last round of blocks (whose blocks let it, griddepcontrol.launch_dependents,
+// once they have started), on the multiprocessors that round leaves idle, and without the gap
+// between two launches; its consumers wait for that tile to have finished
+// (griddepcontrol.wait) before they add into its outputs. The tile before is always this
+// library's own launch of the same kernel, never a caller's kernel (whose outputs we read).
+template <typename Kernel>
+void launch_after_row_tile(Kernel kernel, const KernelParams& p, int64_t blocks, int threads, size_t smem,
+                           cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
+  allow_dynamic_smem(kernel, smem);
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(unsigned(blocks));
+  config.blockDim = dim3(unsigned(threads));
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p, Da, Dc, col_tiles));
+}
+
 // Whether pass P's `segments` time segments (the count the launch will run) take one launch
 // (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
 // 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
@@ -322,7 +346,11 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
     for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)
       KernelParams tile_params = p;
       tile_params.row_tile = tile;
-      launch_segmented<P>(kernel, tile_params, workspace, tile_blocks, threads, smem, stream, Da, Dc, col_tiles);
+      if (tile == 0) {
+        launch_segmented<P>(kernel, tile_params, workspace, tile_blocks, threads, smem, stream, Da, Dc, col_tiles);
+      } else {
+        launch_after_row_tile(kernel, tile_params, tile_blocks, threads, smem, stream, Da, Dc, col_tiles);
+      }
     }
   } else {
     const RowTileSums<P> sums(p, row_tiles, Dc, stream);

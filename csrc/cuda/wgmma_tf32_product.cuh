@@ -324,6 +324,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
   static_assert(kConsumers * kConsumerRegisters + kProducerRegisters <= (kConsumers + 1) * 168, "the block's registers");
 
+  // a later row tile's launch (launch_after_row_tile) may start once every block of this one has
+  // (no-op where nothing is launched so)
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
   if (group == kConsumers) {  // the producer: copies, kSlots - 1 chunks ahead of the consumers
     wgmma::registers_down_to<kProducerRegisters>();
     const Stager stage(tid);
@@ -340,6 +344,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       stage.operator()<kReverse>(slot + kCc, c_src, ops.c_rows().ptr, n);
       mbarrier_arrive_on_copies(full(it));
     }
+    // A later row tile's launch completes only after the tile before it has: every block waits
+    // here (where its consumers may never add, an empty sequence), so that what follows in the
+    // stream finds both tiles' outputs written
+    if (p.row_tile > 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
     return;
   }
 
@@ -607,6 +615,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       }
     };
     if (adds_outputs) {  // (see adds_outputs: in the grid 0 + x + y, either order alike; one launch a tile in order)
+      // one launch a tile: the tile before has finished (launch_after_row_tile; at once where this
+      // launch did not start early)
+      if (!tiles_in_grid && it < kConsumers) asm volatile("griddepcontrol.wait;\n" ::: "memory");
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
