@@ -4,7 +4,7 @@
 # out), for trying a change's register budget before a device run.
 #
 #   bash benchmarks/ptxas_offline.sh                          # every pass, 3xTF32 and TF32
-#   PASSES="Forward GradK" SPLITS=true bash benchmarks/ptxas_offline.sh
+#   PASSES="Forward GradK" SPLITS=true PARTS=2 bash benchmarks/ptxas_offline.sh
 #
 # Needs nvcc and torch's headers (benchmarks/offline_nvcc.sh).
 set -euo pipefail
@@ -17,7 +17,9 @@ trap 'rm -f "$unit"' EXIT
   echo 'namespace fast_causal_attn { namespace cuda {'
   for pass in ${PASSES:-Forward GradQ GradK GradV}; do
     for split in ${SPLITS:-true false}; do
-      echo "template __global__ void wgmma_tf32_product_kernel<Pass::$pass, $split>(const KernelParams, int64_t, int64_t, int64_t);"
+      for parts in ${PARTS:-1 2}; do  # row tiles of 64 and 128 of the state's rows
+        echo "template __global__ void wgmma_tf32_product_kernel<Pass::$pass, $split, $parts>(const KernelParams, int64_t, int64_t, int64_t);"
+      done
     done
   done
   echo '}}'
@@ -28,9 +30,9 @@ nvcc $offline_std -O3 -arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A -cubin -Xptxas -v -w
 import re, sys
 passes = ['Forward', 'GradQ', 'GradK', 'GradV', 'GradKV']  # kernel_common.cuh's Pass
 for line in sys.stdin:
-    kernel = re.search(r'Compiling entry.*PassE(\d)ELb(\d)E', line)
+    kernel = re.search(r'Compiling entry.*PassE(\d)ELb(\d)ELi(\d)E', line)
     if kernel:
-        print('wgmma_tf32_product_kernel<%s, %s>' % (passes[int(kernel[1])], 'heads and tails' if kernel[2] == '1' else 'heads'))
+        print('wgmma_tf32_product_kernel<%s, %s, %s rows>' % (passes[int(kernel[1])], 'heads and tails' if kernel[2] == '1' else 'heads', 64 * int(kernel[3])))
     else:
         print('   ', line.replace('ptxas info    : ', '').strip())
 "

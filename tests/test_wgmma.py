@@ -530,13 +530,16 @@ def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
 @pytest.mark.parametrize("segments,launches", [("1", "0"), ("3", "0"), ("1", "1")],
                          ids=["one-segment-grid", "three-segments-grid", "one-launch-a-tile"])
 @pytest.mark.parametrize("head_dim", [128, 256])
-def test_float32_row_tiles_are_deterministic(head_dim, segments, launches, monkeypatch):
-    """Above 64 rows of the state, the float32 wgmma kernel's row tiles in one grid add their
-    outputs two by two into zeroed buffers in whichever order they finish (above 128, tiles 2 and
-    3 into their own, added to the output after): 0 + x + y rounds as 0 + y + x; run one launch a
-    tile (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1), tile 0 stores and the later ones add in launch
-    order. Either way the forward and the gradients repeat bit for bit (and the output buffers,
-    NaN-filled when allocated, are zeroed or written whole first)."""
+@pytest.mark.parametrize("tile_rows", ["64", "128"])
+def test_float32_row_tiles_are_deterministic(tile_rows, head_dim, segments, launches, monkeypatch):
+    """Above one row tile of the state's rows (64, or 128 by default: FAST_CAUSAL_ATTN_ROW_TILE_ROWS),
+    the float32 wgmma kernel's row tiles in one grid add their outputs two by two into zeroed
+    buffers in whichever order they finish (above two tiles, tiles 2 and 3 into their own, added to
+    the output after): 0 + x + y rounds as 0 + y + x; run one launch a tile
+    (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1), tile 0 stores and the later ones add in launch order.
+    Either way the forward and the gradients repeat bit for bit (and the output buffers, NaN-filled
+    when allocated, are zeroed or written whole first)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", tile_rows)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", launches)
     q, k, v = make_inputs(2, 8, 700, head_dim, head_dim, dtype=torch.float32, device="cuda")
@@ -560,11 +563,14 @@ def test_float32_row_tiles_are_deterministic(head_dim, segments, launches, monke
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (2, 3, 130, 128, 64), (2, 1, 130, 200, 136),
                                    (1, 2, 300, 256, 256), (2, 1, 200, 64, 256)], ids=shape_id)
-def test_float32_row_tiles_one_launch_each(shape, layout, monkeypatch):
-    """float32's row tiles one launch each (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1, in one segment):
-    tile 0 stores its outputs and the later tiles add into them (no zeroed buffers; the outputs
-    NaN-filled when allocated), with partial tiles and E != M, both layouts: within float32's 1e-5
-    of float64. (test_float32_row_tiles_launch_choice counts the launches.)"""
+@pytest.mark.parametrize("tile_rows", ["64", "128"])
+def test_float32_row_tiles_one_launch_each(tile_rows, shape, layout, monkeypatch):
+    """float32's row tiles (64 or 128 of the state's rows) one launch each
+    (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1, in one segment): tile 0 stores its outputs and the later
+    tiles add into them (no zeroed buffers; the outputs NaN-filled when allocated), with partial
+    tiles and E != M, both layouts: within float32's 1e-5 of float64.
+    (test_float32_row_tiles_launch_choice counts the launches.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", tile_rows)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
@@ -575,11 +581,13 @@ def test_float32_row_tiles_one_launch_each(shape, layout, monkeypatch):
 @SM90
 @EXPECT_WGMMA
 def test_float32_row_tiles_launch_choice(monkeypatch):
-    """By default float32's row tiles run one launch each where one row tile's blocks take as many
-    rounds of the multiprocessors as all tiles' would in one launch (2 * sms pairs at E = M = 128:
-    4 rounds either way), and in one grid where not (a pair: one round against two) or where the
-    pass runs in segments; FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=0 keeps the grid."""
+    """By default float32's row tiles (here of 64 rows: FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) run one
+    launch each where one row tile's blocks take as many rounds of the multiprocessors as all
+    tiles' would in one launch (2 * sms pairs at E = M = 128: 4 rounds either way), and in one
+    grid where not (a pair: one round against two) or where the pass runs in segments;
+    FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=0 keeps the grid."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
 
     def launches(B, H, L):
         q, k, v = make_inputs(B, H, L, 128, 128, dtype=torch.float32, device="cuda")
@@ -601,6 +609,30 @@ def test_float32_row_tiles_launch_choice(monkeypatch):
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
 
+    assert wgmma_tf32_launches(grads) == {"0": 4, "1": 3, "2": 3, "3": 4}
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+def test_float32_row_tiles_of_128_rows(monkeypatch):
+    """By default a float32 block holds 128 of the state's rows above 64: up to 128 one launch a
+    pass, no row tiles to sum (at 2 * sms pairs, where 64-row tiles run two launches), above 128
+    two row tiles (E = 200 and M = 136 each two, launched one a tile where forced), and
+    FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 brings back tiles of 64 (four and three)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    q, k, v = make_inputs(2, sms, 128, 128, 128, dtype=torch.float32, device="cuda")
+    assert wgmma_tf32_launches(lambda: fast_causal_attn.causal_dot_product(q, k, v)) == {"0": 1}
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
+    q, k, v = make_inputs(2, 1, 130, 200, 136, dtype=torch.float32, device="cuda")
+
+    def grads():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
+
+    assert wgmma_tf32_launches(grads) == {"0": 2, "1": 2, "2": 2, "3": 2}
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
     assert wgmma_tf32_launches(grads) == {"0": 4, "1": 3, "2": 3, "3": 4}
 
 
@@ -657,8 +689,9 @@ def test_float32_state_heads_and_tails(shape, segments, head, monkeypatch):
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 2, 1000, 128, 128)], ids=shape_id)
 def test_float32_magnitudes_spread_within_a_tile(shape):
-    """float32 with magnitudes spread 2^20 inside each 64 x 64 tile: q's rows (timesteps), k's and
-    v's columns each from 1 down to 2^-20. The output's element (t, m) is q's row scale times v's
+    """float32 with magnitudes spread 2^20 inside each 64 x 64 tile (and each 64 x 128 scale group
+    of q and k where a block holds 128 of the state's rows): q's rows (timesteps), k's and v's
+    columns each from 1 down to 2^-20. The output's element (t, m) is q's row scale times v's
     column scale times an unscaled output, and dq's (t, e) k's column scale times an unscaled one:
     each divided by its scales, within 1e-5 of float64, so the small rows and columns are as exact
     as the large (the float32 wgmma kernel scales each tile by one power of two: an element 2^-k

@@ -32,7 +32,7 @@ bool device_runs_sm90a();
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
 //  - float32: the forward, dq, dk and dv (two reverse passes, where run_grad_kv says), Da and Dc
-//    up to 256 in whole 16-byte vectors (above 64 in row and column tiles of 64; above 128
+//    up to 256 in whole 16-byte vectors (above 64 in row tiles of 128 and column tiles of 64; above 128
 //    faster than the kernels that took it before, fwd+bwd 4,16,2048,256 4.74 against 7.46 ms,
 //    2,4,8192,256 2.40 against 6.63, twenty-fifth session; at 128 faster than
 //    the mma.sync and recurrent kernels at every shape measured, fwd / fwd+bwd ms, do_bench, H200,
@@ -150,9 +150,25 @@ struct RowTileSums {
   }
 };
 
-// Whether float32's row tiles (above 64 of the state's rows) run one launch each
+// The float32 kernel's row tile, in parts of 64 of the state's rows: above 64 rows two (a block
+// over 128 rows: its scores and P Cc computed once for them, where two blocks of 64 computed them
+// twice and summed their outputs; up to 128 no row tiles to sum at all), else one. Measured
+// (H100, do_bench fwd / fwd+bwd ms, 64-row tiles against 128; RESULTS.md, forty-ninth session):
+// 8,16,2048,128 0.383 / 1.605 against 0.305 / 1.271; 1,16,32768,128 0.933 / 3.538 against 0.777 /
+// 2.815 (no memsets); 4,16,2048,256 0.767 / 3.131 against 0.604 / 2.512: each pass's kernels 20%
+// shorter, with two chunk slots where 64-row blocks had four.
+// FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 keeps blocks of 64 rows at any width (=128, the default, is
+// accepted), for measuring and the tests.
+inline int tf32_row_parts(int64_t Da) {
+  const char* forced = std::getenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS");
+  if (forced != nullptr && std::strcmp(forced, "64") == 0) return 1;
+  return Da > 64 ? 2 : 1;
+}
+
+// Whether float32's row tiles (above one tile of the state's rows: 128, or 64 with
+// FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) run one launch each
 // (KernelParams::row_tile: tile 0 stores its outputs, each later tile adds into them, in stream
-// order) rather than all in one grid (RowTileSums: the output zeroed first, and above 128 rows a
+// order) rather than all in one grid (RowTileSums: the output zeroed first, and above two tiles a
 // second zeroed buffer, added to the output after the pass): where the pass runs in one segment
 // and one row tile's `tile_blocks` blocks take as many rounds of the multiprocessors (one block
 // each) a launch as all tiles' blocks would in one, so that the launches cost no parallelism and
@@ -258,8 +274,9 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // (run_grad_kv), so one instance each width, not two. At four atoms, every pass, the state's
   // rows split between two warpgroups on column tiles of 64. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (for
   // measuring): one warpgroup a block, column tiles of 64. float32: two consumer warpgroups on
-  // alternate chunks, column tiles of 64, and above 64 rows of the state up to four row tiles,
-  // one block each, summing their outputs (one launch a tile, or RowTileSums: row_tiles_in_sequence).
+  // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
+  // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
+  // launch a tile, or RowTileSums: row_tiles_in_sequence).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
   const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
   const bool one_group = forced_groups && std::strcmp(forced_groups, "1") == 0;
@@ -270,17 +287,22 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>};
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
-  const int64_t row_tiles = kFloat ? (Da + C - 1) / C : 1;
+  // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
+  const int row_parts = kFloat ? tf32_row_parts(Da) : 1;
+  const int64_t row_tiles = kFloat ? (Da + C * row_parts - 1) / (C * row_parts) : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
-  const auto kernel = [atoms, groups, wide, tf32 = p.tf32] {
+  const auto kernel = [atoms, groups, wide, row_parts, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32
-      return tf32 ? wgmma_tf32_product_kernel<P, false> : wgmma_tf32_product_kernel<P, true>;
+      if (row_parts == 2) return tf32 ? wgmma_tf32_product_kernel<P, false, 2> : wgmma_tf32_product_kernel<P, true, 2>;
+      return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
     } else if constexpr (P == Pass::GradKV) {
+      (void)row_parts;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
+      (void)row_parts;
       if (atoms == 4) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
       if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
         if (groups == 2) return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 1, 2>;
@@ -307,7 +329,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int threads = kFloat              ? (wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads
                       : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
-  const size_t smem = kFloat                ? wgmma_tf32::kSmemBytes
+  const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4)
                                           : layout.smem_bytes();

@@ -36,18 +36,17 @@
 // drifted past 1e-5 by 4097 steps (nineteenth session). So each chunk's B^T Cc goes to fresh
 // accumulators and is added to S's float32 master, of which S16 is the scaled copy.
 //
-// A block holds 64 of the state's rows (Da) and 64 of its columns (Dc). Wider states run in column
-// tiles (each block its own outputs) and, up to 256 rows, in up to four row tiles (O is a sum over
-// the state's rows). Where one launch a row tile takes no more rounds of blocks than all in one
-// (row_tiles_in_sequence), the tiles run one launch each: tile 0 stores its outputs and each
-// later tile adds into them, in stream order. Otherwise they share the grid: row tiles 0 and 1
-// add their outputs into the zeroed output, 2 and 3 into a zeroed buffer added to it after the
-// pass (0 + x + y rounds as 0 + y + x). Either way each sum repeats bit for bit. Around the chunk
-// loop everything is the 16-bit kernels' (chunked::BlockWork, Operands, segments and their scan,
-// SegmentStart / SegmentEnd, launch_wgmma).
-//
-// Shared memory: kSlots slots of A, B, Cc (48 KB each), the state's float32 master (each consumer
-// thread its own 32 elements, the accumulator layout) and S16's head and tail: 224 KB.
+// A block holds a row tile of 64 of the state's rows (Da), or 128 above 64 (two parts: its A B^T
+// and A S over K = 128, P and P Cc once for the 128 rows), and 64 of its columns (Dc). Wider
+// states run in column tiles (each block its own outputs) and, up to 256 rows, in up to four row
+// tiles of 64 or two of 128 (O is a sum over the state's rows). Where one launch a row tile takes
+// no more rounds of blocks than all in one (row_tiles_in_sequence), the tiles run one launch each:
+// tile 0 stores its outputs and each later tile adds into them, in stream order. Otherwise they
+// share the grid: row tiles 0 and 1 add their outputs into the zeroed output, 2 and 3 into a
+// zeroed buffer added to it after the pass (0 + x + y rounds as 0 + y + x). Either way each sum
+// repeats bit for bit. Around the chunk loop everything is the 16-bit kernels' (chunked::BlockWork,
+// Operands, segments and their scan, SegmentStart / SegmentEnd, launch_wgmma). Shared memory:
+// wgmma_tf32::Layout.
 #pragma once
 
 #include "wgmma_product.cuh"
@@ -59,25 +58,35 @@ namespace wgmma_tf32 {
 constexpr int C = 64;               // timesteps a chunk; the state's rows and columns, zero-padded
 constexpr int kThreads = 128;       // a warpgroup (a block: two consumers' and the producer's)
 constexpr int kConsumers = 2;       // consumer warpgroups, on alternate chunks
-constexpr int kSlots = 4;           // chunks staged: chunk it in slot it % kSlots
 constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB atoms)
 constexpr int kHalfTile = 64 * 64 * 2;  // bytes of a 64 x 64 float16 tile (one atom)
-// A slot: A, B, Cc as staged (float32), then as derived (float16: head at the tile, tail kHalfTile on)
-constexpr int kSlotBytes = 3 * kTile;
-constexpr int kA = 0, kB = kTile, kCc = 2 * kTile;
-// The state: its float32 master, then S16's head and tail.
-constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kTile;
-// Then each consumer's warps' largest |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's
-// published σ (its biased exponent), the mbarriers: hand_off (kConsumers), full and empty (kSlots each).
-constexpr int kWarpMax = kS16 + 2 * kHalfTile;
-constexpr int kSigma = kWarpMax + kConsumers * 4 * 4 * 4;
-constexpr size_t kHandOffs = size_t(kSigma + kConsumers * 4 + 7) / 8 * 8;
-constexpr size_t kFullBars = kHandOffs + kConsumers * sizeof(uint64_t);
-constexpr size_t kEmptyBars = kFullBars + kSlots * sizeof(uint64_t);
-constexpr size_t kSmemBytes = kEmptyBars + kSlots * sizeof(uint64_t);
-static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-static_assert(kSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
-static_assert(kSlots % kConsumers == 0, "a slot's chunks go to one consumer");
+
+// Shared memory of a block over kParts x 64 of the state's rows (its row tile: 64 or 128 rows). A
+// slot: A's and B's kParts tiles (the row tile's columns of q and k, 64 each), Cc's one, as
+// staged (float32), then as derived (float16: head at the tile, tail kHalfTile on); then the
+// state's float32 master and S16's heads and tails, kParts tiles each (each consumer thread its
+// own 32 elements of a master tile, the accumulator layout); then each consumer's warps' largest
+// |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's published σ (its biased exponent), the
+// mbarriers: hand_off (kConsumers), full and empty (kSlots each). Four slots at 64 rows (48 KB
+// each), two at 128 (80 KB): 224 KB either way.
+template <int kParts>
+struct Layout {
+  static constexpr int kSlots = kParts == 1 ? 4 : 2;  // chunks staged: chunk it in slot it % kSlots
+  static constexpr int kSlotBytes = (2 * kParts + 1) * kTile;
+  static constexpr int kA = 0, kB = kParts * kTile, kCc = 2 * kParts * kTile;
+  static constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kParts * kTile;
+  static constexpr int kWarpMax = kS16 + kParts * 2 * kHalfTile;
+  static constexpr int kSigma = kWarpMax + kConsumers * 4 * 4 * 4;
+  static constexpr size_t kHandOffs = size_t(kSigma + kConsumers * 4 + 7) / 8 * 8;
+  static constexpr size_t kFullBars = kHandOffs + kConsumers * sizeof(uint64_t);
+  static constexpr size_t kEmptyBars = kFullBars + kSlots * sizeof(uint64_t);
+  static constexpr size_t kSmemBytes = kEmptyBars + kSlots * sizeof(uint64_t);
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+  static_assert(kSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
+  static_assert(kSlots % kConsumers == 0, "a slot's chunks go to one consumer");
+};
+// The block's bytes of shared memory for a row tile of `parts` x 64 rows
+inline size_t smem_bytes(int parts) { return parts == 2 ? Layout<2>::kSmemBytes : Layout<1>::kSmemBytes; }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using wgmma::descriptor;
@@ -268,15 +277,19 @@ struct Stager {
 // One pass of float32 (wgmma_takes): one block a (sequence, head, time segment), from the
 // segment's start (dk and dv: from its end, time walked backward, the scores' mask c >= r);
 // state-only blocks (launch_segmented's first launch) sum their segment's B^T Cc alone. Da and Dc
-// up to 256: the block's row tile from work.k0 (from the grid, or KernelParams::row_tile where the
-// row tiles run one launch each), its column tile from work.m0. kSplit: float32
-// from float16 heads and tails; without, the heads alone (where the user allowed TF32).
+// up to 256: the block's row tile of kParts x 64 of the state's rows from work.k0 (from the grid,
+// or KernelParams::row_tile where the row tiles run one launch each), its column tile of 64 from
+// work.m0. kSplit: float32 from float16 heads and tails; without, the heads alone (where the user
+// allowed TF32).
 //
 // Three warpgroups: a producer that copies each chunk into its slot (cp.async), and two consumers
 // on alternate chunks (consumer j on chunks j, j + 2, ...). A consumer derives its chunk's float16
 // tiles, runs A B^T, P Cc and B^T Cc, then A S once the other consumer has added its chunk's sums
-// to S (hand_off), adds its own and hands S on.
-template <Pass P, bool kSplit>
+// to S (hand_off), adds its own and hands S on. With two parts (128 rows) A B^T and A S run over
+// K = 128 (one scale for A's two tiles, one for B's, one σ for S's: the parts' products share
+// their accumulators), and B^T Cc and the state are two tiles: P and P Cc are computed once for
+// the 128 rows where two row tiles of 64 computed them twice and summed their outputs.
+template <Pass P, bool kSplit, int kParts>
 __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -284,19 +297,22 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   using wgmma::commit;
   using wgmma::fence;
   using wgmma::wait;
+  using L = Layout<kParts>;
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
+  static_assert(kParts == 1 || kParts == 2, "a row tile of 64 or 128 of the state's rows");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
+  constexpr int kRows = kParts * C;                    // the state's rows a block holds
+  constexpr int kSlots = L::kSlots;
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
-  const int64_t row_tiles = (Da + C - 1) / C;  // above 64, tiles of the state's rows
-  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, C);
+  const int64_t row_tiles = (Da + kRows - 1) / kRows;  // above kRows, tiles of the state's rows
+  const chunked::BlockWork<P, float> work(p, col_tiles, C, Dc, row_tiles, kRows);
   // the row tiles in the grid, or this launch's one (KernelParams::row_tile; BlockWork takes it)
   const bool tiles_in_grid = p.row_tile < 0;
   const Operands<P, float, float> ops = work.operands(p);
-  // in the grid, row tiles 2 and 3 (above 128 rows) add into their own buffer, at the output's
-  // place in it
-  float* const out_rows = tiles_in_grid && work.k0 >= 2 * C
+  // in the grid, row tiles 2 and 3 add into their own buffer, at the output's place in it
+  float* const out_rows = tiles_in_grid && work.k0 >= 2 * kRows
                               ? p.upper_row_tiles_out + (ops.out - static_cast<float*>(pass_output<P>(p).ptr))
                               : ops.out;
   // the first row tile of a launch of its own stores; every other row tile adds (two in the grid
@@ -307,12 +323,14 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int group = wgmma::warpgroup(), tid = int(threadIdx.x) % kThreads;
-  auto slot_at = [](int64_t it) { return int(it % kSlots) * kSlotBytes; };  // chunk it's slot, bytes into smem
-  auto hand_off = [&](int consumer) { return base + uint32_t(kHandOffs) + uint32_t(consumer) * 8u; };
-  auto full = [&](int64_t it) { return base + uint32_t(kFullBars) + uint32_t(it % kSlots) * 8u; };
-  auto empty = [&](int64_t it) { return base + uint32_t(kEmptyBars) + uint32_t(it % kSlots) * 8u; };
+  auto slot_at = [](int64_t it) { return int(it % kSlots) * L::kSlotBytes; };  // chunk it's slot, bytes into smem
+  auto hand_off = [&](int consumer) { return base + uint32_t(L::kHandOffs) + uint32_t(consumer) * 8u; };
+  auto full = [&](int64_t it) { return base + uint32_t(L::kFullBars) + uint32_t(it % kSlots) * 8u; };
+  auto empty = [&](int64_t it) { return base + uint32_t(L::kEmptyBars) + uint32_t(it % kSlots) * 8u; };
   // chunk it's use of its slot's mbarriers: the slot's (it / kSlots)-th phase
   auto phase = [](int64_t it) { return uint32_t(it / kSlots) & 1u; };
+  // operand t's part j in a slot (t: 0 A, 1 B, 2 Cc; Cc has one part), bytes from the slot on
+  auto tile_of = [](int t, int j) { return (t == 0 ? L::kA : t == 1 ? L::kB : L::kCc) + kTile * j; };
   if (threadIdx.x == 0) {
     for (int j = 0; j < kConsumers; ++j) mbarrier_init(hand_off(j), kThreads);
     for (int s = 0; s < kSlots; ++s) {
@@ -332,16 +350,23 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     wgmma::registers_down_to<kProducerRegisters>();
     const Stager stage(tid);
     const int64_t first = chunk_begin(0);
-    Source a_src = stage.source(ops.a_rows(), first, Da, work.k0);
-    Source b_src = stage.source(ops.b_rows(), first, Da, work.k0);
+    Source a_src[kParts], b_src[kParts];
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {
+      a_src[j] = stage.source(ops.a_rows(), first, Da, work.k0 + C * j);
+      b_src[j] = stage.source(ops.b_rows(), first, Da, work.k0 + C * j);
+    }
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
     for (int64_t it = 0; it < chunks; ++it) {
       if (it >= kSlots) mbarrier_wait(empty(it), phase(it - kSlots));  // chunk it - kSlots done with the slot
       const int n = work.chunk_len(chunk_begin(it), C);
       const uint32_t slot = base + uint32_t(slot_at(it));
-      if (!state_only) stage.operator()<kReverse>(slot + kA, a_src, ops.a_rows().ptr, n);
-      stage.operator()<kReverse>(slot + kB, b_src, ops.b_rows().ptr, n);
-      stage.operator()<kReverse>(slot + kCc, c_src, ops.c_rows().ptr, n);
+#pragma unroll
+      for (int j = 0; j < kParts; ++j) {
+        if (!state_only) stage.operator()<kReverse>(slot + tile_of(0, j), a_src[j], ops.a_rows().ptr, n);
+        stage.operator()<kReverse>(slot + tile_of(1, j), b_src[j], ops.b_rows().ptr, n);
+      }
+      stage.operator()<kReverse>(slot + L::kCc, c_src, ops.c_rows().ptr, n);
       mbarrier_arrive_on_copies(full(it));
     }
     // A later row tile's launch completes only after the tile before it has: every block waits
@@ -356,12 +381,13 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const int me = group, other = 1 - group;
   const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
   const int row = 16 * warp + g;  // this thread's rows: row, row + 8 (of the chunk; of the state)
-  // The state's float32 master: this thread's 32 elements (accumulator layout) as 8 vectors
-  float4* const master = reinterpret_cast<float4*>(wgmma_smem + kMaster) + tid;
-  // this consumer's warps' largest |x| of tile t (0: A, 1: B, 2: Cc, 3: S), warp_max[4 t + warp]
-  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + kWarpMax) + 16 * me;
-  uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + kSigma);
-  // The largest |x| of tile t: each thread's, through its warp (redux.sync) and the four warps
+  // The state's float32 master, part j: this thread's 32 elements (accumulator layout) as 8
+  // vectors from master + 1024 j on
+  float4* const master = reinterpret_cast<float4*>(wgmma_smem + L::kMaster) + tid;
+  // this consumer's warps' largest |x| of operand t (0: A, 1: B, 2: Cc, 3: S), warp_max[4 t + warp]
+  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 16 * me;
+  uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
+  // The largest |x| of operand t: each thread's, through its warp (redux.sync) and the four warps
   // (warp_max; the caller's kOwn sync between this and tile_exponent)
   auto offer_largest = [&](int t, uint32_t largest_bits) {
     largest_bits = __reduce_max_sync(0xffffffffu, largest_bits);
@@ -372,144 +398,185 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     return scale_exponent(fmaxf(fmaxf(w.x, w.y), fmaxf(w.z, w.w)));
   };
 
-  // Chunk it's staged tiles (A unless state-only, B, Cc) scaled and split in place into float16
-  // heads and tails; k[t]: tile t's scale exponent. Four threads a row, thread q of the four its
-  // float16 chunks q and q + 4 (float32 chunks 2 q, 2 q + 1 of either atom): rows tid / 4 and + 32,
-  // odd rows' atoms in the other order (x[..][a] from atom a ^ 1): a quarter warp's stores (rows r,
-  // r + 1) then fall on 32 banks, where in one order they fell on 16 twice (ncu: STS 31% of the
-  // shared-memory wavefronts, 1.6x the bytes' count), and its loads stay on 32. Every thread reads
-  // all of its elements before the kOwn sync and writes after it: the float16 tile lies over the
-  // float32 tile's first half and its tail over the second.
+  // Chunk it's staged operands (A unless state-only, B, Cc) scaled and split in place into float16
+  // heads and tails, one scale an operand (over its parts); k[t]: operand t's scale exponent. Four
+  // threads a row, thread q of the four its float16 chunks q and q + 4 (float32 chunks 2 q, 2 q +
+  // 1 of either atom): rows tid / 4 and + 32, odd rows' atoms in the other order (x[..][a] from
+  // atom a ^ 1): a quarter warp's stores (rows r, r + 1) then fall on 32 banks, where in one order
+  // they fell on 16 twice (ncu: STS 31% of the shared-memory wavefronts, 1.6x the bytes' count),
+  // and its loads stay on 32. Every thread reads all of a round's elements before the kOwn sync and
+  // writes after it: the float16 tile lies over the float32 tile's first half and its tail over the
+  // second. In rounds of at most three tiles (96 floats a thread held across the sync): A, B and Cc
+  // at one part; A's two tiles and Cc, then B's two, at two.
   const int d_row = tid / 4, d_q = tid % 4, d_odd = d_row % 2;
-  auto derive = [&](int64_t it, uint32_t (&k)[3]) {
-    const int slot = slot_at(it);
-    float4 x[3][2][2][2];  // [tile][pass: row d_row + 32 pass][atom a ^ d_odd][float32 chunk 2 q + d]
+  auto derive_round = [&](int slot, uint32_t (&k)[3], auto operands) {
+    constexpr unsigned kOperands = decltype(operands)::value;  // bit t: operand t in this round
+    auto in_round = [&](int t) { return ((kOperands >> t) & 1u) != 0 && !(t == 0 && state_only); };
+    float4 x[3][kParts][2][2][2];  // [operand][part][pass: row d_row + 32 pass][atom a ^ d_odd][float32 chunk 2 q + d]
 #pragma unroll
     for (int t = 0; t < 3; ++t) {
-      if (t == 0 && state_only) continue;
+      if (!in_round(t)) continue;
       float largest = 0.f;  // (the magnitudes' bits order as the floats do)
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass)
+      for (int j = 0; j < (t == 2 ? 1 : kParts); ++j)
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
+        for (int pass = 0; pass < 2; ++pass)
 #pragma unroll
-          for (int d = 0; d < 2; ++d) {
-            const int r = d_row + 32 * pass;
-            const float4 v =
-                *reinterpret_cast<const float4*>(wgmma_smem + slot + kTile * t + 8192 * (a ^ d_odd) + 128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
-            x[t][pass][a][d] = v;
-            largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
-          }
+          for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int d = 0; d < 2; ++d) {
+              const int r = d_row + 32 * pass;
+              const float4 v = *reinterpret_cast<const float4*>(wgmma_smem + slot + tile_of(t, j) + 8192 * (a ^ d_odd) +
+                                                                128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
+              x[t][j][pass][a][d] = v;
+              largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+            }
       offer_largest(t, __float_as_uint(largest));
     }
     named_sync(kOwn + me);
 #pragma unroll
     for (int t = 0; t < 3; ++t) {
-      if (t == 0 && state_only) continue;
+      if (!in_round(t)) continue;
       k[t] = tile_exponent(t);
       const float scale = scale_of(k[t]);
 #pragma unroll
-      for (int pass = 0; pass < 2; ++pass)
+      for (int j = 0; j < (t == 2 ? 1 : kParts); ++j)
 #pragma unroll
-        for (int a = 0; a < 2; ++a) {
-          const int r = d_row + 32 * pass;
-          uint4 head, tail;
-          const float4 &lo = x[t][pass][a][0], &hi = x[t][pass][a][1];
-          split2<kSplit>(lo.x, lo.y, scale, head.x, tail.x);
-          split2<kSplit>(lo.z, lo.w, scale, head.y, tail.y);
-          split2<kSplit>(hi.x, hi.y, scale, head.z, tail.z);
-          split2<kSplit>(hi.z, hi.w, scale, head.w, tail.w);
-          const int at = slot + kTile * t + 128 * r + 16 * ((d_q + 4 * (a ^ d_odd)) ^ (r % 8));
-          *reinterpret_cast<uint4*>(wgmma_smem + at) = head;
-          if constexpr (kSplit) *reinterpret_cast<uint4*>(wgmma_smem + at + kHalfTile) = tail;
-        }
+        for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+          for (int a = 0; a < 2; ++a) {
+            const int r = d_row + 32 * pass;
+            uint4 head, tail;
+            const float4 &lo = x[t][j][pass][a][0], &hi = x[t][j][pass][a][1];
+            split2<kSplit>(lo.x, lo.y, scale, head.x, tail.x);
+            split2<kSplit>(lo.z, lo.w, scale, head.y, tail.y);
+            split2<kSplit>(hi.x, hi.y, scale, head.z, tail.z);
+            split2<kSplit>(hi.z, hi.w, scale, head.w, tail.w);
+            const int at = slot + tile_of(t, j) + 128 * r + 16 * ((d_q + 4 * (a ^ d_odd)) ^ (r % 8));
+            *reinterpret_cast<uint4*>(wgmma_smem + at) = head;
+            if constexpr (kSplit) *reinterpret_cast<uint4*>(wgmma_smem + at + kHalfTile) = tail;
+          }
+    }
+  };
+  auto derive = [&](int64_t it, uint32_t (&k)[3]) {
+    const int slot = slot_at(it);
+    if constexpr (kParts == 1) {
+      derive_round(slot, k, std::integral_constant<unsigned, 7u>{});
+    } else {
+      derive_round(slot, k, std::integral_constant<unsigned, 5u>{});  // A, Cc
+      derive_round(slot, k, std::integral_constant<unsigned, 2u>{});  // B (its warp_max entries B's own)
     }
     wgmma::fence_shared_writes();  // (the derived tiles, to wgmma)
     named_sync(kOwn + me);         // every thread's (and warp_max read: free for the next chunk)
   };
 
-  // S16 (rows e, columns m): this thread's pair (e = row + 8 h, m = 8 j + 2 q4) at
-  // (s16_at ^ 16 j) + 1024 h
-  const uint32_t s16_at = uint32_t(kS16 + 128 * row + 16 * g + 4 * q4);
-  // S (the values in the accumulator layout) into the master and S16; S16's scale exponent into
-  // sigma[me]
-  auto publish = [&](const float (&s)[32]) {
+  // S16 part j (rows e, columns m): this thread's pair (e = row + 8 h, m = 8 jj + 2 q4) at
+  // (s16_at ^ 16 jj) + 1024 h + kTile j
+  const uint32_t s16_at = uint32_t(L::kS16 + 128 * row + 16 * g + 4 * q4);
+  // S (the values in the accumulator layout, kParts tiles) into the master and S16, one scale for
+  // all its parts; S16's scale exponent into sigma[me]
+  auto publish = [&](const float (&s)[kParts][32]) {
+    float largest = 0.f;
 #pragma unroll
-    for (int v = 0; v < 8; ++v) master[128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
-    offer_largest(3, __float_as_uint(largest_magnitude<0, 32>(s)));
+    for (int j = 0; j < kParts; ++j) {
+#pragma unroll
+      for (int v = 0; v < 8; ++v)
+        master[1024 * j + 128 * v] = make_float4(s[j][4 * v], s[j][4 * v + 1], s[j][4 * v + 2], s[j][4 * v + 3]);
+      largest = fmaxf(largest, largest_magnitude<0, 32>(s[j]));
+    }
+    offer_largest(3, __float_as_uint(largest));
     named_sync(kOwn + me);
     const uint32_t k = tile_exponent(3);
     const float scale = scale_of(k);
 #pragma unroll
-    for (int jj = 0; jj < 8; ++jj)
+    for (int j = 0; j < kParts; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t at = (s16_at ^ (16 * jj)) + 1024 * h;
-        uint32_t head, tail;
-        split2<kSplit>(s[4 * jj + 2 * h], s[4 * jj + 2 * h + 1], scale, head, tail);
-        *reinterpret_cast<uint32_t*>(wgmma_smem + at) = head;
-        if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
-      }
+      for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t at = (s16_at ^ (16 * jj)) + 1024 * h + kTile * j;
+          uint32_t head, tail;
+          split2<kSplit>(s[j][4 * jj + 2 * h], s[j][4 * jj + 2 * h + 1], scale, head, tail);
+          *reinterpret_cast<uint32_t*>(wgmma_smem + at) = head;
+          if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
+        }
     if (tid == 0) sigma[me] = k;
   };
-  auto read_master = [&](float (&s)[32]) {
+  auto read_master = [&](int j, float (&s)[32]) {
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const float4 x = master[128 * v];
+      const float4 x = master[1024 * j + 128 * v];
       s[4 * v] = x.x, s[4 * v + 1] = x.y, s[4 * v + 2] = x.z, s[4 * v + 3] = x.w;
     }
   };
-  auto store_segment_end = [&](const float (&end)[32]) {
-    wgmma::store_end(end, SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state,
-                     Da, Dc, work.k0, work.m0);
+  auto store_segment_end = [&](const float (&end)[kParts][32]) {
+    float* const to = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) wgmma::store_end(end[j], to, Da, Dc, work.k0 + C * j, work.m0);
   };
 
   if (state_only) {
-    float total[32];
+    float total[kParts][32];
 #pragma unroll
-    for (int i = 0; i < 32; ++i) total[i] = 0.f;
+    for (int j = 0; j < kParts; ++j)
+#pragma unroll
+      for (int i = 0; i < 32; ++i) total[j][i] = 0.f;
     for (int64_t it = me; it < chunks; it += kConsumers) {
       mbarrier_wait(full(it), phase(it));
       uint32_t k[3];
       derive(it, k);
       const uint32_t slot = base + uint32_t(slot_at(it));
-      float sums[32];
+      float sums[kParts][32];
       fence();
-      times<kSplit, 1>(sums, TileHalves<1>(slot + kB), slot + kCc, false);  // 2^(β + γ) B^T Cc
+#pragma unroll
+      for (int j = 0; j < kParts; ++j) {
+        times<kSplit, 1>(sums[j], TileHalves<1>(slot + tile_of(1, j)), slot + L::kCc, false);  // 2^(β + γ) B^T Cc
+      }
       commit();
       wait<0>();
       if (it + kSlots < chunks) mbarrier_arrive(empty(it));
       const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
 #pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += sums[i] * inverse;
+      for (int j = 0; j < kParts; ++j)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) total[j][i] += sums[j][i] * inverse;
     }
     if (chunks > 1) {  // consumer 1's total to consumer 0 through the master's place
       if (me == 1) {
 #pragma unroll
-        for (int v = 0; v < 8; ++v)
-          master[128 * v] = make_float4(total[4 * v], total[4 * v + 1], total[4 * v + 2], total[4 * v + 3]);
+        for (int j = 0; j < kParts; ++j)
+#pragma unroll
+          for (int v = 0; v < 8; ++v)
+            master[1024 * j + 128 * v] =
+                make_float4(total[j][4 * v], total[j][4 * v + 1], total[j][4 * v + 2], total[j][4 * v + 3]);
         mbarrier_arrive(hand_off(0));
         return;
       }
       mbarrier_wait(hand_off(0), 0);
-      float theirs[32];
-      read_master(theirs);
 #pragma unroll
-      for (int i = 0; i < 32; ++i) total[i] += theirs[i];
+      for (int j = 0; j < kParts; ++j) {
+        float theirs[32];
+        read_master(j, theirs);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) total[j][i] += theirs[i];
+      }
     }
     if (me == 0) store_segment_end(total);
     return;
   }
 
   if (me == 0) {  // the segment's start into S, for chunk 0's A S
-    float start[32];
-    wgmma::load_start(start, p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0, work.m0);
+    float start[kParts][32];
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {
+      wgmma::load_start(start[j], p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0 + C * j, work.m0);
+    }
     publish(start);
     wgmma::fence_shared_writes();
     named_sync(kOwn + me);
   }
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
-  const uint32_t s16 = base + uint32_t(kS16);
+  const uint32_t s16 = base + uint32_t(L::kS16);
   for (int64_t it = me; it < chunks; it += kConsumers) {
     mbarrier_wait(full(it), phase(it));
     const int64_t t0 = chunk_begin(it);
@@ -526,10 +593,13 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     uint32_t k[3];  // α, β, γ
     derive(it, k);
     const uint32_t slot = base + uint32_t(slot_at(it));
-    float score[32], out_pc[32], out_as[32], sums[32];
+    float score[32], out_pc[32], out_as[32], sums[kParts][32];
     float pc_inverse[2];
     fence();
-    times<kSplit, 0>(score, TileHalves<0>(slot + kA), slot + kB, false);  // 2^(α + β) A B^T
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {  // 2^(α + β) A B^T, over the parts' K
+      times<kSplit, 0>(score, TileHalves<0>(slot + tile_of(0, j)), slot + tile_of(1, j), j > 0);
+    }
     commit();
     {
       wait<0>();
@@ -565,24 +635,37 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           split2<kSplit>(x[s][r][0], x[s][r][1], largest[r % 2], pf.head[s][r], pf.tail[s][r]);
         }
       fence();
-      times<kSplit, 1>(out_pc, RegisterHalves{pf}, slot + kCc, false);  // 2^(α + β + p_r + γ) P Cc
-      times<kSplit, 1>(sums, TileHalves<1>(slot + kB), slot + kCc, false);  // 2^(β + γ) B^T Cc
+      times<kSplit, 1>(out_pc, RegisterHalves{pf}, slot + L::kCc, false);  // 2^(α + β + p_r + γ) P Cc
+      // at two parts P Cc is a group of its own, waited for before A S (below): its fragments'
+      // registers then hold A S's accumulators (all four products in flight at once spilled)
+      if constexpr (kParts == 2) commit();
+#pragma unroll
+      for (int j = 0; j < kParts; ++j) {  // 2^(β + γ) B^T Cc, a tile of the state's rows each
+        times<kSplit, 1>(sums[j], TileHalves<1>(slot + tile_of(1, j)), slot + L::kCc, false);
+      }
       commit();
     }
     // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
+    if constexpr (kParts == 2) wait<1>();  // P Cc done (the sums may still run)
     const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0])) * factor;
-    times<kSplit, 1>(out_as, TileHalves<0>(slot + kA), s16, false);  // 2^(α + σ) A S
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {  // 2^(α + σ) A S, over the parts' K
+      times<kSplit, 1>(out_as, TileHalves<0>(slot + tile_of(0, j)), s16 + kTile * j, j > 0);
+    }
     commit();
     // S += the sums, rounded in float32, while A S runs (P Cc's and the sums' group done), handed
     // to the other consumer for chunk it + 1 once A S has read S16
     {
       wait<1>();
       const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
-      float s[32];
-      read_master(s);
+      float s[kParts][32];
 #pragma unroll
-      for (int i = 0; i < 32; ++i) s[i] += sums[i] * inverse;
+      for (int j = 0; j < kParts; ++j) {
+        read_master(j, s[j]);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) s[j][i] += sums[j][i] * inverse;
+      }
       wait<0>();
       if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
       if (it + 1 < chunks) {
@@ -624,8 +707,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
   }
   if (chunks == 0 && me == 0) {  // an empty segment: its end is its start
-    float end[32];
-    read_master(end);
+    float end[kParts][32];
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) read_master(j, end[j]);
     store_segment_end(end);
   }
 #else
