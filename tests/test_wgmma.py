@@ -472,6 +472,16 @@ def wgmma_tf32_launches(run):
     return dict(counts)
 
 
+def training_step_tf32_launches(q, k, v):
+    """Each pass's float32 wgmma launches (wgmma_tf32_launches) in the forward and backward of
+    fresh leaves of q, k, v."""
+    def grads():
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
+
+    return wgmma_tf32_launches(grads)
+
+
 @CUDA
 @SM90
 @EXPECT_WGMMA
@@ -604,12 +614,7 @@ def test_float32_row_tiles_launch_choice(monkeypatch):
     # dq's and dk's M = 136 (3)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
     q, k, v = make_inputs(2, 1, 130, 200, 136, dtype=torch.float32, device="cuda")
-
-    def grads():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
-
-    assert wgmma_tf32_launches(grads) == {"0": 4, "1": 3, "2": 3, "3": 4}
+    assert training_step_tf32_launches(q, k, v) == {"0": 4, "1": 3, "2": 3, "3": 4}
 
 
 @CUDA
@@ -626,14 +631,9 @@ def test_float32_row_tiles_of_128_rows(monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
     q, k, v = make_inputs(2, 1, 130, 200, 136, dtype=torch.float32, device="cuda")
-
-    def grads():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        return torch.autograd.grad(fast_causal_attn.causal_dot_product(*leaves).sum(), leaves)
-
-    assert wgmma_tf32_launches(grads) == {"0": 2, "1": 2, "2": 2, "3": 2}
+    assert training_step_tf32_launches(q, k, v) == {"0": 2, "1": 2, "2": 2, "3": 2}
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
-    assert wgmma_tf32_launches(grads) == {"0": 4, "1": 3, "2": 3, "3": 4}
+    assert training_step_tf32_launches(q, k, v) == {"0": 4, "1": 3, "2": 3, "3": 4}
 
 
 @CUDA
