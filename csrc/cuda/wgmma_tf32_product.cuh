@@ -137,6 +137,12 @@ __device__ __forceinline__ void prefetch_l2(const float* at) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
 }
 
+// Programmatic dependent launches (launch_after_row_tile): the next launch may start once every
+// block of this one has done so; wait until the launch before this one has finished and its
+// writes are visible (both no-ops where the launch is not programmatic)
+__device__ __forceinline__ void allow_dependent_launch() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+__device__ __forceinline__ void wait_for_launch_before() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+
 // The largest of x over the 4 lanes of a quad (one row of a fragment)
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -318,7 +324,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // the first row tile of a launch of its own stores; every other row tile adds (two in the grid
   // into one zeroed buffer; one a launch into what the launches before it left)
   const bool adds_outputs = row_tiles > 1 && p.row_tile != 0;
-  const bool prefetch_outputs = p.row_tile > 0;  // a later tile's launch of its own
+  const bool later_tile_launch = p.row_tile > 0;  // a later tile's launch of its own (programmatic)
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
@@ -344,7 +350,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 
   // a later row tile's launch (launch_after_row_tile) may start once every block of this one has
   // (no-op where nothing is launched so)
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  allow_dependent_launch();
 
   if (group == kConsumers) {  // the producer: copies, kSlots - 1 chunks ahead of the consumers
     wgmma::registers_down_to<kProducerRegisters>();
@@ -372,7 +378,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     // A later row tile's launch completes only after the tile before it has: every block waits
     // here (where its consumers may never add, an empty sequence), so that what follows in the
     // stream finds both tiles' outputs written
-    if (p.row_tile > 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    if (later_tile_launch) wait_for_launch_before();
     return;
   }
 
@@ -382,8 +388,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const int warp = tid / kWarp, lane = tid % kWarp, g = lane / 4, q4 = lane % 4;
   const int row = 16 * warp + g;  // this thread's rows: row, row + 8 (of the chunk; of the state)
   // The state's float32 master, part j: this thread's 32 elements (accumulator layout) as 8
-  // vectors from master + 1024 j on
+  // vectors from master + kMasterPart j on
   float4* const master = reinterpret_cast<float4*>(wgmma_smem + L::kMaster) + tid;
+  constexpr int kMasterPart = kTile / int(sizeof(float4));
   // this consumer's warps' largest |x| of operand t (0: A, 1: B, 2: Cc, 3: S), warp_max[4 t + warp]
   float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 16 * me;
   uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
@@ -470,6 +477,19 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     named_sync(kOwn + me);         // every thread's (and warp_max read: free for the next chunk)
   };
 
+  // part j of the master: this thread's 32 elements written, read
+  auto write_master = [&](int j, const float (&s)[32]) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v)
+      master[kMasterPart * j + 128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
+  };
+  auto read_master = [&](int j, float (&s)[32]) {
+#pragma unroll
+    for (int v = 0; v < 8; ++v) {
+      const float4 x = master[kMasterPart * j + 128 * v];
+      s[4 * v] = x.x, s[4 * v + 1] = x.y, s[4 * v + 2] = x.z, s[4 * v + 3] = x.w;
+    }
+  };
   // S16 part j (rows e, columns m): this thread's pair (e = row + 8 h, m = 8 jj + 2 q4) at
   // (s16_at ^ 16 jj) + 1024 h + kTile j
   const uint32_t s16_at = uint32_t(L::kS16 + 128 * row + 16 * g + 4 * q4);
@@ -479,9 +499,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     float largest = 0.f;
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
-#pragma unroll
-      for (int v = 0; v < 8; ++v)
-        master[1024 * j + 128 * v] = make_float4(s[j][4 * v], s[j][4 * v + 1], s[j][4 * v + 2], s[j][4 * v + 3]);
+      write_master(j, s[j]);
       largest = fmaxf(largest, largest_magnitude<0, 32>(s[j]));
     }
     offer_largest(3, __float_as_uint(largest));
@@ -501,13 +519,6 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
         }
     if (tid == 0) sigma[me] = k;
-  };
-  auto read_master = [&](int j, float (&s)[32]) {
-#pragma unroll
-    for (int v = 0; v < 8; ++v) {
-      const float4 x = master[1024 * j + 128 * v];
-      s[4 * v] = x.x, s[4 * v + 1] = x.y, s[4 * v + 2] = x.z, s[4 * v + 3] = x.w;
-    }
   };
   auto store_segment_end = [&](const float (&end)[kParts][32]) {
     float* const to = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
@@ -544,11 +555,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     if (chunks > 1) {  // consumer 1's total to consumer 0 through the master's place
       if (me == 1) {
 #pragma unroll
-        for (int j = 0; j < kParts; ++j)
-#pragma unroll
-          for (int v = 0; v < 8; ++v)
-            master[1024 * j + 128 * v] =
-                make_float4(total[j][4 * v], total[j][4 * v + 1], total[j][4 * v + 2], total[j][4 * v + 3]);
+        for (int j = 0; j < kParts; ++j) write_master(j, total[j]);
         mbarrier_arrive(hand_off(0));
         return;
       }
@@ -584,7 +591,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     // A row tile launched after another adds into outputs that launch wrote, mostly gone from the
     // L2 by now: the chunk's output lines fetched ahead, while its products run, so that the
     // reductions at its end meet them there (the four lanes of a quad 64 bytes of a row each)
-    if (prefetch_outputs && 16 * q4 < work.cols) {
+    if (later_tile_launch && 16 * q4 < work.cols) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (row + 8 * h < n) prefetch_l2(out_rows + (t0 + row + 8 * h) * ops.out_l + work.m0 + 16 * q4);
@@ -700,7 +707,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     if (adds_outputs) {  // (see adds_outputs: in the grid 0 + x + y, either order alike; one launch a tile in order)
       // one launch a tile: the tile before has finished (launch_after_row_tile; at once where this
       // launch did not start early)
-      if (!tiles_in_grid && it < kConsumers) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      if (!tiles_in_grid && it < kConsumers) wait_for_launch_before();
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
