@@ -120,7 +120,8 @@ inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem
 // The float32 kernel's row tiles add their outputs into zeroed buffers, two tiles each (0 + x +
 // y rounds as 0 + y + x: bit for bit repeatable, where three or four addends in the order the
 // blocks finish would not be): tiles 0 and 1 into pass P's output, 2 and 3 (above 128 of the
-// state's rows) into a buffer with the output's strides, added to it once the pass has run
+// state's rows in tiles of 64: FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) into a buffer with the
+// output's strides, added to it once the pass has run
 // (finish). The output, [B, H, L, Dc] through its strides, is dense: the ops allocate every
 // output whole, in either layout.
 template <Pass P>
