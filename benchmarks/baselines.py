@@ -84,10 +84,11 @@ def _autograd_wrapper(module):
     return CausalDotProduct.apply
 
 
-def fla_linear_attention(device):
+def fla_linear_attention(device, normalize=False):
     """flash-linear-attention's chunk and fused_chunk linear attention as {name: fn}, fn(q, k, v)
-    on [B, L, H, D] inputs, scale 1, unnormalized (the issue's setting); {} off CUDA or when fla
-    cannot be imported (from an installed package or from third_party/)."""
+    on [B, L, H, D] inputs, scale 1, unnormalized (the issue's setting; `normalize`: normalized,
+    the names ending in " normalize"); {} off CUDA or when fla cannot be imported (from an
+    installed package or from third_party/)."""
     if device != "cuda":
         return {}
     if os.path.isdir(os.path.join(THIRD_PARTY, "fla")) and THIRD_PARTY not in sys.path:
@@ -97,7 +98,8 @@ def fla_linear_attention(device):
     except Exception as error:  # absent, or a dependency missing: time without it, and say so
         print(f"fla not timed: {type(error).__name__}: {error}")
         return {}
+    suffix = " normalize" if normalize else ""
     return {
-        "fla chunk": lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0],
-        "fla fused_chunk": lambda q, k, v: fused_chunk_linear_attn(q, k, v, scale=1.0, normalize=False)[0],
+        "fla chunk" + suffix: lambda q, k, v: chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize)[0],
+        "fla fused_chunk" + suffix: lambda q, k, v: fused_chunk_linear_attn(q, k, v, scale=1.0, normalize=normalize)[0],
     }

@@ -93,6 +93,17 @@ def timings(fn, q, k, v, dout, device, reps):
     return median_ms(forward, device, reps), median_ms(forward_backward, device, reps)
 
 
+def with_zero_state(q, k, v):
+    """The default path with a state in and out: a zero initial state (float32, or float64 for
+    float64 inputs) and the final state returned beside the output, which is returned alone (the
+    plain output; the state's gradient is None in the timed backward)."""
+    B, H, _, E = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    state = fast_causal_attn.State(q.new_zeros(B, H, E, v.shape[-1], dtype=acc), q.new_zeros(B, H, E, dtype=acc))
+    out, _ = fast_causal_attn.causal_linear_attention(q, k, v, initial_state=state, return_final_state=True)
+    return out
+
+
 def float64_results(q, k, v, dout):
     """The output and the gradients of q, k and v in float64 for these (rounded) inputs: plain
     PyTorch's chunked form, an independent implementation, on the inputs' device."""
@@ -214,6 +225,11 @@ def main():
     parser.add_argument("--compiled", action="store_true",
                         help="also time the default path under torch.compile (static shapes, fullgraph), as a "
                              "compiled training step calls it")
+    parser.add_argument("--features", default="", metavar="normalize,state",
+                        help="also time the default path with these features on, each a method of its own: "
+                             "'fca normalize' (normalize=True; fla normalized beside it) and 'fca state' (a "
+                             "zero initial state in, the final state returned: the plain output, so --accuracy "
+                             "applies); the normalized methods are timed only (the float64 reference is plain)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -264,12 +280,21 @@ def main():
             name = f"fca {short(variable)}={value}{suffix}"
             methods[name] = fast_causal_attn.causal_dot_product
             families[name] = {variable: value, **fixed}
+    features = [f for f in args.features.split(",") if f]
+    if any(f not in ("normalize", "state") for f in features):
+        parser.error(f"--features takes normalize and state, got {args.features!r}")
+    if "normalize" in features:
+        methods["fca normalize"] = lambda q, k, v: fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+    if "state" in features:
+        methods["fca state"] = with_zero_state
     if not args.no_peers and device == "cuda":
         # float32 with torch's TF32 switch on (the default path; TF32 products where the user allows
         # them), beside fla's float32, which runs in TF32
         methods["fast_causal_attn tf32"] = fast_causal_attn.causal_dot_product
     ft = None if args.no_peers else baselines.fast_transformers_causal_dot_product(device)
     fla = {} if args.no_peers else baselines.fla_linear_attention(device)  # [B, L, H, D] inputs
+    if fla and "normalize" in features:
+        fla.update(baselines.fla_linear_attention(device, normalize=True))
 
     rows = []
     header = (f"{'dtype':9} {'B, H, L, E, M':>22} {'method':>22} {'fwd ms':>9} {'fwd+bwd ms':>11} "
@@ -311,7 +336,8 @@ def main():
                 with method_settings(families.get(name, {}), tf32=name.endswith("tf32")):
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
-                    errors = relative_errors(fn, *inputs, exact, blhd=name in fla) if exact else None
+                    plain = not name.endswith(" normalize")  # (the float64 reference is unnormalized)
+                    errors = relative_errors(fn, *inputs, exact, blhd=name in fla) if exact and plain else None
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
