@@ -199,12 +199,12 @@ inline bool row_tiles_in_sequence(int64_t row_tiles, int64_t tile_blocks, int64_
 // once they have started), on the multiprocessors that round leaves idle, and without the gap
 // between two launches; its consumers wait for that tile to have finished
 // (griddepcontrol.wait) before they add into its outputs. The tile before is always this
-// library's own launch of the same kernel, never a caller's kernel (whose outputs we read).
+// library's own launch of the same kernel, never a caller's kernel (whose outputs we read), and
+// that launch (launch_segmented, with as many blocks) has checked the block count and raised the
+// kernel's shared-memory limit.
 template <typename Kernel>
 void launch_after_row_tile(Kernel kernel, const KernelParams& p, int64_t blocks, int threads, size_t smem,
                            cudaStream_t stream, int64_t Da, int64_t Dc, int64_t col_tiles) {
-  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
-  allow_dynamic_smem(kernel, smem);
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;

@@ -707,7 +707,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     if (adds_outputs) {  // (see adds_outputs: in the grid 0 + x + y, either order alike; one launch a tile in order)
       // one launch a tile: the tile before has finished (launch_after_row_tile; at once where this
       // launch did not start early)
-      if (!tiles_in_grid && it < kConsumers) wait_for_launch_before();
+      if (later_tile_launch && it < kConsumers) wait_for_launch_before();
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
