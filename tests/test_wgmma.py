@@ -687,6 +687,35 @@ def test_float32_state_heads_and_tails(shape, segments, head, monkeypatch):
 @SM90
 @EXPECT_WGMMA
 @pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("segments,shape", [(2, (1, 2, 4100, 64, 64)), (3, (1, 2, 4100, 128, 96))],
+                         ids=lambda case: str(case) if isinstance(case, int) else shape_id(case))
+def test_float32_state_only_ring(shape, segments, monkeypatch):
+    """float32's state-only blocks stage their chunks in a ring of their own (six slots at 64 of
+    the state's rows, four at 128: wgmma_tf32::Layout), the forward's and dk's state-only launches
+    over segments of 33 and 22 chunks (the ring gone round five times): output and gradients
+    within 1e-5 of float64, and bit for bit those of the pass's ring
+    (FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2), which sums each chunk in the same order."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", str(segments))
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", "0")  # dq from a state-only launch of its own too
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda")
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld", tolerance=1e-5)
+    grad_out = torch.randn_like(v)
+
+    def run():
+        x = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = fast_causal_attn.causal_dot_product(*x)
+        return (out, *torch.autograd.grad(out, x, grad_out))
+
+    deep = run()
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS", "2")
+    for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), deep, run()):
+        assert torch.equal(x, y), name
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 2, 1000, 128, 128)], ids=shape_id)
 def test_float32_magnitudes_spread_within_a_tile(shape):
     """float32 with magnitudes spread 2^20 inside each 64 x 64 tile (and each 64 x 128 scale group

@@ -358,8 +358,11 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // pass fills the device at 2 blocks a multiprocessor) and measured 2-11% slower with them
   // (thirty-third session). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
   // segments) for float32, for measuring.
+  // Its blocks stage their chunks in a ring of their own, deeper than the pass's (wgmma_tf32::Layout);
+  // FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2 gives them the pass's ring, for measuring.
   if constexpr (kFloat) {
     p.state_head = state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
+    if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   }
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =

@@ -27,10 +27,11 @@
 // each slot's mbarrier completing when the copies have landed; two consumers on alternate chunks
 // each derive their chunk's float16 tiles in place (a float32 tile's 16 KB hold its head and tail),
 // run the products and release the slot. The producer, with nothing but copies, runs kSlots - 1
-// chunks ahead. Where it derived the tiles (two sets of staged and derived tiles, all the shared
-// memory held) its chain paced the pass: its copies one chunk ahead, its derivation, its waits on
-// the consumers (benchmarks/experiments/tf32_halves_tile_scales.patch; RESULTS.md, forty-third
-// session: this form 5-11% faster than 3xTF32, that one 0-5% slower).
+// chunks ahead (in a state-only block, which stages no A, a deeper ring: Layout). Where it derived
+// the tiles (two sets of staged and derived tiles, all the shared memory held) its chain paced the
+// pass: its copies one chunk ahead, its derivation, its waits on the consumers
+// (benchmarks/experiments/tf32_halves_tile_scales.patch; RESULTS.md, forty-third session: this
+// form 5-11% faster than 3xTF32, that one 0-5% slower).
 //
 // The tensor cores add into their accumulators without rounding to nearest: a state summed in them
 // drifted past 1e-5 by 4097 steps (nineteenth session). So each chunk's B^T Cc goes to fresh
@@ -62,28 +63,48 @@ constexpr int kTile = 64 * 64 * 4;  // bytes of a 64 x 64 float32 tile (two 8 KB
 constexpr int kHalfTile = 64 * 64 * 2;  // bytes of a 64 x 64 float16 tile (one atom)
 
 // Shared memory of a block over kParts x 64 of the state's rows (its row tile: 64 or 128 rows). A
-// slot: A's and B's kParts tiles (the row tile's columns of q and k, 64 each), Cc's one, as
-// staged (float32), then as derived (float16: head at the tile, tail kHalfTile on); then the
-// state's float32 master and S16's heads and tails, kParts tiles each (each consumer thread its
-// own 32 elements of a master tile, the accumulator layout); then each consumer's warps' largest
-// |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's published σ (its biased exponent), the
-// mbarriers: hand_off (kConsumers), full and empty (kSlots each). Four slots at 64 rows (48 KB
-// each), two at 128 (80 KB): 224 KB either way.
+// slot: B's kParts tiles (the row tile's columns of k, 64 each), Cc's one and A's kParts tiles
+// (q's), as staged (float32), then as derived (float16: head at the tile, tail kHalfTile on); then
+// the state's float32 master and S16's heads and tails, kParts tiles each (each consumer thread
+// its own 32 elements of a master tile, the accumulator layout); then each consumer's warps'
+// largest |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's published σ (its biased
+// exponent), the mbarriers: hand_off (kConsumers), full and empty (kRing each). Four slots at 64
+// rows (48 KB each), two at 128 (80 KB): 224 KB either way.
+// A state-only block stages B and Cc alone, the first kStateSlotBytes of a slot, in a ring of its
+// own: kStateSlots slots of that size from 0, over the master's place (six of 32 KB at 64 rows,
+// four of 48 KB at 128), its consumers' totals meeting after the ring (kStateHandOff, over S16 at
+// 128 rows: neither is used there). With the pass's ring its copies waited on the consumers
+// holding both slots and the consumers on the copies (ncu, 1,16,32768,128: 46% of its stall
+// samples; DRAM 68% busy; RESULTS.md, fiftieth session).
 template <int kParts>
 struct Layout {
   static constexpr int kSlots = kParts == 1 ? 4 : 2;  // chunks staged: chunk it in slot it % kSlots
   static constexpr int kSlotBytes = (2 * kParts + 1) * kTile;
-  static constexpr int kA = 0, kB = kParts * kTile, kCc = 2 * kParts * kTile;
+  static constexpr int kB = 0, kCc = kParts * kTile, kA = (kParts + 1) * kTile;
   static constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kParts * kTile;
   static constexpr int kWarpMax = kS16 + kParts * 2 * kHalfTile;
+  static constexpr int kStateSlotBytes = kA;  // B and Cc
+  static constexpr int kStateSlots = kS16 / kStateSlotBytes / kConsumers * kConsumers;
+  static constexpr int kStateHandOff = kStateSlots * kStateSlotBytes;
+  static constexpr int kRing = kStateSlots > kSlots ? kStateSlots : kSlots;  // mbarriers a kind
   static constexpr int kSigma = kWarpMax + kConsumers * 4 * 4 * 4;
   static constexpr size_t kHandOffs = size_t(kSigma + kConsumers * 4 + 7) / 8 * 8;
   static constexpr size_t kFullBars = kHandOffs + kConsumers * sizeof(uint64_t);
-  static constexpr size_t kEmptyBars = kFullBars + kSlots * sizeof(uint64_t);
-  static constexpr size_t kSmemBytes = kEmptyBars + kSlots * sizeof(uint64_t);
+  static constexpr size_t kEmptyBars = kFullBars + kRing * sizeof(uint64_t);
+  static constexpr size_t kSmemBytes = kEmptyBars + kRing * sizeof(uint64_t);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-  static_assert(kSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
-  static_assert(kSlots % kConsumers == 0, "a slot's chunks go to one consumer");
+  static_assert(kSlotBytes % 1024 == 0 && kStateSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
+  static_assert(kSlots % kConsumers == 0 && kStateSlots % kConsumers == 0, "a slot's chunks go to one consumer");
+  static_assert(kStateSlots >= kSlots && kStateHandOff + kParts * kTile <= kWarpMax, "the state-only ring's place");
+};
+// A ring of kDepth chunk slots of kBytes each from shared memory's start: chunk it in slot it %
+// kDepth, its use of the slot's mbarriers that slot's (it / kDepth)-th phase
+template <int kDepth, int kBytes>
+struct Ring {
+  static constexpr int kSlots = kDepth;
+  __device__ static int slot(int64_t it) { return int(it % kDepth) * kBytes; }  // bytes into smem
+  __device__ static uint32_t index(int64_t it) { return uint32_t(it % kDepth); }
+  __device__ static uint32_t phase(int64_t it) { return uint32_t(it / kDepth) & 1u; }
 };
 // The block's bytes of shared memory for a row tile of `parts` x 64 rows
 inline size_t smem_bytes(int parts) { return parts == 2 ? Layout<2>::kSmemBytes : Layout<1>::kSmemBytes; }
@@ -308,7 +329,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   static_assert(kParts == 1 || kParts == 2, "a row tile of 64 or 128 of the state's rows");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr int kRows = kParts * C;                    // the state's rows a block holds
-  constexpr int kSlots = L::kSlots;
+  using PassRing = Ring<L::kSlots, L::kSlotBytes>;
+  using StateRing = Ring<L::kStateSlots, L::kStateSlotBytes>;  // a state-only block's (Layout)
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = wgmma::smem_address(wgmma_smem);
@@ -329,17 +351,17 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const bool state_only = work.state_only;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int group = wgmma::warpgroup(), tid = int(threadIdx.x) % kThreads;
-  auto slot_at = [](int64_t it) { return int(it % kSlots) * L::kSlotBytes; };  // chunk it's slot, bytes into smem
   auto hand_off = [&](int consumer) { return base + uint32_t(L::kHandOffs) + uint32_t(consumer) * 8u; };
-  auto full = [&](int64_t it) { return base + uint32_t(L::kFullBars) + uint32_t(it % kSlots) * 8u; };
-  auto empty = [&](int64_t it) { return base + uint32_t(L::kEmptyBars) + uint32_t(it % kSlots) * 8u; };
-  // chunk it's use of its slot's mbarriers: the slot's (it / kSlots)-th phase
-  auto phase = [](int64_t it) { return uint32_t(it / kSlots) & 1u; };
+  // slot i's mbarriers (Ring::index)
+  auto full = [&](uint32_t i) { return base + uint32_t(L::kFullBars) + i * 8u; };
+  auto empty = [&](uint32_t i) { return base + uint32_t(L::kEmptyBars) + i * 8u; };
+  // a state-only block's ring: its own (deep_state_staging, the default) or the pass's (for measuring)
+  const bool deep_ring = state_only && p.deep_state_staging;
   // operand t's part j in a slot (t: 0 A, 1 B, 2 Cc; Cc has one part), bytes from the slot on
   auto tile_of = [](int t, int j) { return (t == 0 ? L::kA : t == 1 ? L::kB : L::kCc) + kTile * j; };
   if (threadIdx.x == 0) {
     for (int j = 0; j < kConsumers; ++j) mbarrier_init(hand_off(j), kThreads);
-    for (int s = 0; s < kSlots; ++s) {
+    for (uint32_t s = 0; s < uint32_t(L::kRing); ++s) {
       mbarrier_init(full(s), kThreads);   // the producer's threads, once their copies have landed
       mbarrier_init(empty(s), kThreads);  // the consumer's threads, once its products have run
     }
@@ -352,7 +374,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // (no-op where nothing is launched so)
   allow_dependent_launch();
 
-  if (group == kConsumers) {  // the producer: copies, kSlots - 1 chunks ahead of the consumers
+  if (group == kConsumers) {  // the producer: copies, a ring's depth - 1 chunks ahead of the consumers
     wgmma::registers_down_to<kProducerRegisters>();
     const Stager stage(tid);
     const int64_t first = chunk_begin(0);
@@ -363,17 +385,26 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       b_src[j] = stage.source(ops.b_rows(), first, Da, work.k0 + C * j);
     }
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
-    for (int64_t it = 0; it < chunks; ++it) {
-      if (it >= kSlots) mbarrier_wait(empty(it), phase(it - kSlots));  // chunk it - kSlots done with the slot
-      const int n = work.chunk_len(chunk_begin(it), C);
-      const uint32_t slot = base + uint32_t(slot_at(it));
+    auto produce = [&](auto ring) {
+      using R = decltype(ring);
+      for (int64_t it = 0; it < chunks; ++it) {
+        // chunk it - depth done with the slot
+        if (it >= R::kSlots) mbarrier_wait(empty(R::index(it)), R::phase(it - R::kSlots));
+        const int n = work.chunk_len(chunk_begin(it), C);
+        const uint32_t slot = base + uint32_t(R::slot(it));
 #pragma unroll
-      for (int j = 0; j < kParts; ++j) {
-        if (!state_only) stage.operator()<kReverse>(slot + tile_of(0, j), a_src[j], ops.a_rows().ptr, n);
-        stage.operator()<kReverse>(slot + tile_of(1, j), b_src[j], ops.b_rows().ptr, n);
+        for (int j = 0; j < kParts; ++j) {
+          if (!state_only) stage.operator()<kReverse>(slot + tile_of(0, j), a_src[j], ops.a_rows().ptr, n);
+          stage.operator()<kReverse>(slot + tile_of(1, j), b_src[j], ops.b_rows().ptr, n);
+        }
+        stage.operator()<kReverse>(slot + L::kCc, c_src, ops.c_rows().ptr, n);
+        mbarrier_arrive_on_copies(full(R::index(it)));
       }
-      stage.operator()<kReverse>(slot + L::kCc, c_src, ops.c_rows().ptr, n);
-      mbarrier_arrive_on_copies(full(it));
+    };
+    if (deep_ring) {
+      produce(StateRing{});
+    } else {
+      produce(PassRing{});
     }
     // A later row tile's launch completes only after the tile before it has: every block waits
     // here (where its consumers may never add, an empty sequence), so that what follows in the
@@ -465,8 +496,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           }
     }
   };
-  auto derive = [&](int64_t it, uint32_t (&k)[3]) {
-    const int slot = slot_at(it);
+  auto derive = [&](int slot, uint32_t (&k)[3]) {  // slot: the chunk's, bytes into smem
     if constexpr (kParts == 1) {
       derive_round(slot, k, std::integral_constant<unsigned, 7u>{});
     } else {
@@ -477,19 +507,22 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     named_sync(kOwn + me);         // every thread's (and warp_max read: free for the next chunk)
   };
 
-  // part j of the master: this thread's 32 elements written, read
-  auto write_master = [&](int j, const float (&s)[32]) {
+  // part j of a float32 state at `tiles` (the master's place, or the state-only hand-off's): this
+  // thread's 32 elements written, read
+  auto write_tile = [&](float4* tiles, int j, const float (&s)[32]) {
 #pragma unroll
     for (int v = 0; v < 8; ++v)
-      master[kMasterPart * j + 128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
+      tiles[kMasterPart * j + 128 * v] = make_float4(s[4 * v], s[4 * v + 1], s[4 * v + 2], s[4 * v + 3]);
   };
-  auto read_master = [&](int j, float (&s)[32]) {
+  auto read_tile = [&](const float4* tiles, int j, float (&s)[32]) {
 #pragma unroll
     for (int v = 0; v < 8; ++v) {
-      const float4 x = master[kMasterPart * j + 128 * v];
+      const float4 x = tiles[kMasterPart * j + 128 * v];
       s[4 * v] = x.x, s[4 * v + 1] = x.y, s[4 * v + 2] = x.z, s[4 * v + 3] = x.w;
     }
   };
+  auto write_master = [&](int j, const float (&s)[32]) { write_tile(master, j, s); };
+  auto read_master = [&](int j, float (&s)[32]) { read_tile(master, j, s); };
   // S16 part j (rows e, columns m): this thread's pair (e = row + 8 h, m = 8 jj + 2 q4) at
   // (s16_at ^ 16 jj) + 1024 h + kTile j
   const uint32_t s16_at = uint32_t(L::kS16 + 128 * row + 16 * g + 4 * q4);
@@ -532,30 +565,39 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     for (int j = 0; j < kParts; ++j)
 #pragma unroll
       for (int i = 0; i < 32; ++i) total[j][i] = 0.f;
-    for (int64_t it = me; it < chunks; it += kConsumers) {
-      mbarrier_wait(full(it), phase(it));
-      uint32_t k[3];
-      derive(it, k);
-      const uint32_t slot = base + uint32_t(slot_at(it));
-      float sums[kParts][32];
-      fence();
+    auto consume = [&](auto ring) {
+      using R = decltype(ring);
+      for (int64_t it = me; it < chunks; it += kConsumers) {
+        mbarrier_wait(full(R::index(it)), R::phase(it));
+        uint32_t k[3];
+        derive(R::slot(it), k);
+        const uint32_t slot = base + uint32_t(R::slot(it));
+        float sums[kParts][32];
+        fence();
 #pragma unroll
-      for (int j = 0; j < kParts; ++j) {
-        times<kSplit, 1>(sums[j], TileHalves<1>(slot + tile_of(1, j)), slot + L::kCc, false);  // 2^(β + γ) B^T Cc
+        for (int j = 0; j < kParts; ++j) {
+          times<kSplit, 1>(sums[j], TileHalves<1>(slot + tile_of(1, j)), slot + L::kCc, false);  // 2^(β + γ) B^T Cc
+        }
+        commit();
+        wait<0>();
+        if (it + R::kSlots < chunks) mbarrier_arrive(empty(R::index(it)));
+        const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
+#pragma unroll
+        for (int j = 0; j < kParts; ++j)
+#pragma unroll
+          for (int i = 0; i < 32; ++i) total[j][i] += sums[j][i] * inverse;
       }
-      commit();
-      wait<0>();
-      if (it + kSlots < chunks) mbarrier_arrive(empty(it));
-      const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
-#pragma unroll
-      for (int j = 0; j < kParts; ++j)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) total[j][i] += sums[j][i] * inverse;
+    };
+    if (deep_ring) {
+      consume(StateRing{});
+    } else {
+      consume(PassRing{});
     }
-    if (chunks > 1) {  // consumer 1's total to consumer 0 through the master's place
+    if (chunks > 1) {  // consumer 1's total to consumer 0, after the deep ring (kStateHandOff)
+      float4* const totals = reinterpret_cast<float4*>(wgmma_smem + L::kStateHandOff) + tid;
       if (me == 1) {
 #pragma unroll
-        for (int j = 0; j < kParts; ++j) write_master(j, total[j]);
+        for (int j = 0; j < kParts; ++j) write_tile(totals, j, total[j]);
         mbarrier_arrive(hand_off(0));
         return;
       }
@@ -563,7 +605,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
       for (int j = 0; j < kParts; ++j) {
         float theirs[32];
-        read_master(j, theirs);
+        read_tile(totals, j, theirs);
 #pragma unroll
         for (int i = 0; i < 32; ++i) total[j][i] += theirs[i];
       }
@@ -585,7 +627,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
   const uint32_t s16 = base + uint32_t(L::kS16);
   for (int64_t it = me; it < chunks; it += kConsumers) {
-    mbarrier_wait(full(it), phase(it));
+    mbarrier_wait(full(PassRing::index(it)), PassRing::phase(it));
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
     // A row tile launched after another adds into outputs that launch wrote, mostly gone from the
@@ -598,8 +640,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       }
     }
     uint32_t k[3];  // α, β, γ
-    derive(it, k);
-    const uint32_t slot = base + uint32_t(slot_at(it));
+    derive(PassRing::slot(it), k);
+    const uint32_t slot = base + uint32_t(PassRing::slot(it));
     float score[32], out_pc[32], out_as[32], sums[kParts][32];
     float pc_inverse[2];
     fence();
@@ -674,7 +716,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         for (int i = 0; i < 32; ++i) s[j][i] += sums[j][i] * inverse;
       }
       wait<0>();
-      if (it + kSlots < chunks) mbarrier_arrive(empty(it));  // the slot read: chunk it + kSlots may come
+      // the slot read: chunk it + depth may come
+      if (it + PassRing::kSlots < chunks) mbarrier_arrive(empty(PassRing::index(it)));
       if (it + 1 < chunks) {
         publish(s);
         wgmma::fence_shared_writes();  // (for the other's A S)
