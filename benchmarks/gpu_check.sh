@@ -198,6 +198,8 @@ if has sanitize; then
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   # the one-launch segments at E, M up to 64 (KernelParams::lookback: the forward, dk with dv)
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
+  # states in and out on the wgmma kernels (a start into every segment, the end from the last)
+  sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
   # the forward's one launch at two atoms on two warpgroups (E = M = 128, FAST_CAUSAL_ATTN_ONE_LAUNCH=1)
   sanitize one_launch_wide "test_one_launch_segments and E128M128 and 3-torch" tests/test_wgmma.py
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)

@@ -313,7 +313,9 @@ ForwardResult causal_attn_forward(
   // No segments: S = 0, so that the results' ranks never change.
   const int64_t pairs = seqs.count * qb.size(1), E = qb.size(3), M = vb.size(3);
   const at::Tensor segment_kv = kept.kv.defined() ? kept.kv : at::empty({pairs, 0, E, M}, acc);
-  const at::Tensor segment_k_sum = kept.k_sum.defined() ? kept.k_sum : at::empty({pairs, 0, E}, acc);
+  // The key sums' starts only under normalize, the one backward that reads them (the mma.sync
+  // kernels also sum them for a final state; the wgmma kernels do not: either way S = 0 here).
+  const at::Tensor segment_k_sum = kept.k_sum.defined() && normalize ? kept.k_sum : at::empty({pairs, 0, E}, acc);
   return {as_bhld(ob, layout), den, kv1, k_sum1, segment_kv, segment_k_sum};
 }
 

@@ -14,7 +14,7 @@ namespace fast_causal_attn {
 
 // What a segmented forward hands its backward besides the outputs: the state each time segment
 // starts from (the sum of the segments before it), [N * H, segments, E, M], and its key sums
-// [N * H, segments, E] (normalize or a final state), in the accumulation dtype. The dq pass's
+// [N * H, segments, E] (normalize), in the accumulation dtype. The dq pass's
 // state is the transpose of the forward's (see BackwardParams), so that its segments can start
 // from these instead of summing K^T V again. Undefined where the forward kept none (not asked to
 // (keep_segments), one segment, the CPU, families other than the tensor-core one, whose segments

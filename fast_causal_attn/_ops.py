@@ -80,18 +80,19 @@ def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normali
     # depends on the device (its multiprocessors, the kernel's occupancy). With static shapes the
     # library plans the count ahead, as the real call decides it (plan_forward_segments); with
     # symbolic ones it is a size only the real call knows. None without keep_segments, and none
-    # on the CPU. The key sums have as many where the forward tracks them (normalize or a final
-    # state), none otherwise.
+    # on the CPU. The key sums have as many under normalize (the one backward that reads them),
+    # none otherwise.
     (N, H, E, M), _ = _state_shapes(q, v, layout, cu_seqlens)
     if keep_segments and q.device.type == "cuda":
         planned = _planned_segments(q, v, layout, normalize, initial_kv is not None or return_final_state,
                                     cu_seqlens)
         if planned is None:
             ctx = torch.library.get_ctx()
-            segments, key_sum_segments = ctx.new_dynamic_size(), ctx.new_dynamic_size()
+            segments = ctx.new_dynamic_size()
+            key_sum_segments = ctx.new_dynamic_size() if normalize else 0
         else:
             segments = planned
-            key_sum_segments = planned if normalize or return_final_state else 0
+            key_sum_segments = planned if normalize else 0
     else:
         segments = key_sum_segments = 0
     return (out, den, q.new_empty(kv_shape, dtype=acc), q.new_empty(k_sum_shape, dtype=acc),

@@ -221,7 +221,7 @@ def test_grad_q_from_forward_segments(shape, with_state, normalize, dtype, devic
     segment_kv, segment_k_sum = torch.ops.fast_causal_attn.forward(q, k, v, *state, None, 0.8, normalize, 1e-6,
                                                                    "bhld", with_state, True)[4:]
     assert segment_kv.shape[:1] + segment_kv.shape[2:] == (B * H, E, M) and segment_kv.shape[1] > 1
-    assert segment_k_sum.shape == ((B * H, segment_kv.shape[1], E) if normalize or with_state else (B * H, 0, E))
+    assert segment_k_sum.shape == ((B * H, segment_kv.shape[1], E) if normalize else (B * H, 0, E))
     if not with_state:
         check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout="bhld")
     grad_out = torch.randn_like(v)

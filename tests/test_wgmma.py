@@ -3,7 +3,7 @@ M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk 
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
 or the heads alone where TF32 is allowed; no
-normalize, no states in or out; on devices of compute capability 9.0 when the build's arch list
+normalize, no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
 kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
@@ -11,13 +11,14 @@ build should have them (benchmarks/gpu_check.sh sets it with TORCH_CUDA_ARCH_LIS
 of the suite meets them through conftest's default "cuda" entry."""
 import collections
 import os
+import zlib
 
 import pytest
 import torch
 
 import fast_causal_attn
 from conftest import CUDA, ON_SM90, SM90, cuda_kernels_launched
-from reference import make_inputs, reference, reference_with_grads, relative_error
+from reference import make_inputs, make_state, reference, reference_with_grads, reference_with_state, relative_error
 from test_correctness import ERROR_FLOOR, check_against_reference, shape_id
 
 EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") != "1",
@@ -741,3 +742,56 @@ def test_float32_magnitudes_spread_within_a_tile(shape):
     assert relative_error(grads[0].cpu() / spread(E), exact[1] / spread(E)) <= 1e-5, "grad_q"
     for name, x, ref in zip(("grad_k", "grad_v"), grads[1:], exact[2:]):
         assert relative_error(x, ref) <= 1e-5, name
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (1, 2, 260, 256, 64),
+                                   (2, 1, 200, 40, 256)], ids=shape_id)
+def test_states_on_the_wgmma_kernels(shape, layout, segments, dtype, monkeypatch):
+    """An initial state in and the final state out, without normalize, on the wgmma kernels (where
+    the build has them: no mma.sync kernel runs), the key sums beside them (the forward's final
+    k_sum, dk's constant row from the final k_sum's gradient): in 1 or 3 time segments (the 16-bit
+    forward's segments then in three launches, where one would not add the given start), E != M,
+    E or M above 128, both layouts. The output and the gradients of q, k and v within twice plain
+    PyTorch's error in the dtype (at least ERROR_FLOOR), the final state and the initial state's
+    gradients within 1e-5 (float32 sums of inputs read exactly), all against float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, dtype)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, generator=gen)
+    state0 = make_state(B, H, E, M, dtype, False)
+    # cotangents exact in the dtype, so that every computation below gets the same ones
+    w_out, w_kv, w_k_sum = (torch.randn(shape_, generator=gen, dtype=torch.float64).to(dtype).double()
+                            for shape_ in (v.shape, (B, H, E, M), (B, H, E)))
+
+    def run(attend, device):
+        leaves = [x.detach().to(device).requires_grad_() for x in (q, k, v, *state0)]
+        out, kv1, k_sum1 = attend(*leaves)
+        loss = sum((x.double() * w.to(device)).sum() for x, w in ((out, w_out), (kv1, w_kv), (k_sum1, w_k_sum)))
+        return [x.detach().cpu() for x in (out, kv1, k_sum1, *torch.autograd.grad(loss, leaves))]
+
+    def ours(q_, k_, v_, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(q_, k_, v_, layout=layout, initial_state=(kv0, k_sum0),
+                                                              return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    with cuda_kernels_launched() as names:
+        got = run(ours, "cuda")
+    if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and ON_SM90:
+        assert any("wgmma" in n for n in names), names
+        assert not any("tensorcore_product_kernel" in n or "chunked" in n for n in names), names
+    exact = run(lambda *x: reference_with_state(*x[:3], x[3:], layout=layout), "cpu")
+    plain = run(lambda *x: reference_with_state(*x[:3], x[3:], layout=layout, dtype=dtype), "cuda")
+    names_ = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
+    for i, (name, x, ref) in enumerate(zip(names_, got, exact)):
+        if i in (0, 3, 4, 5):  # in the dtype
+            tolerance = max(2 * relative_error(plain[i], ref), ERROR_FLOOR[dtype])
+        else:  # float32 state
+            assert x.dtype == torch.float32, name
+            tolerance = 1e-5
+        err = relative_error(x, ref)
+        assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"

@@ -7,6 +7,8 @@
 #include <cstring>
 
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/sum.h>
+#include <c10/cuda/CUDAFunctions.h>
 
 #include "wgmma_product.cuh"
 #include "wgmma_tf32_product.cuh"
@@ -27,7 +29,7 @@ constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> || (std::is_same_v<scalar_t, f
 bool device_runs_sm90a();
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// no normalize, no states in or out, and
+// no normalize, no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -85,9 +87,11 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
       return false;
     }
-    // States in or out keep the mma.sync kernels: with them come the key sums, and a plan (which
-    // marks a state by its kv alone) must decide as the run does.
-    if (p.has_state_io()) return false;
+    // States in or out (without normalize: above) run here, the key sums beside them on the host
+    // (launch_wgmma); with packed sequences those would be sums per sequence: the mma.sync kernels.
+    // Otherwise a state changes nothing here, so a plan (which marks a state by its kv alone)
+    // decides as the run does.
+    if (p.cu_seqlens != nullptr && p.has_state_io()) return false;
     return device_runs_sm90a();
   }
 #else
@@ -257,9 +261,10 @@ bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, cudaStream_t 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
-// and a plan's count (dry_run) without launching.
+// and a plan's count (dry_run) without launching. The kernels carry the state alone (a start, an
+// end: SegmentStart, SegmentEnd), not the key sums (launch_wgmma).
 template <Pass P, typename scalar_t>
-ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using wgmma::C;
   KernelParams p = params;
   constexpr bool kFloat = std::is_same_v<scalar_t, float>;
@@ -350,7 +355,9 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
-  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
+  // (one launch adds the segments before a block, not a given start: a start takes three)
+  const bool one_launch = one_launch_kernel != nullptr && p.start_state == nullptr &&
+                          one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // float32's state-only launch in heads and tails where its blocks would leave multiprocessors
   // idle (choose_state_head; one block a multiprocessor): 1,16,32768,128 sums its first segment
   // on 64 blocks (16 pairs x 4 tiles) of 132 in whole segments, on 128 in heads and tails
@@ -391,6 +398,42 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
     if (p.keep_segments && p.segments > 1) return {workspace.buffer, at::Tensor(), p.segments};
   }
   return {};
+}
+
+// The key sums beside a state, which the wgmma kernels do not carry (they take no normalize, where
+// the key sums meet q: wgmma_takes), each one torch op on the current stream after the pass: the
+// forward's final key sum, the initial one plus the sum of k over time, in float32 (k read a second
+// time: a quarter of the forward's floor where E = M); and the gradient of k's constant row (the
+// final key sum's gradient, out_bias) added to every row of dk (dk read and written once more;
+// rounded twice in 16-bit, once by the pass, once by the add, where the mma.sync kernels add it
+// before their one rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
+template <Pass P, typename scalar_t>
+void add_key_sums(const KernelParams& p) {
+  const at::Device device(at::kCUDA, c10::cuda::current_device());
+  const auto accumulation = at::TensorOptions().dtype(at::kFloat).device(device);
+  const auto rows = [&](const StridedTensor& t, int64_t D) {  // [B, H, L, D] through t's strides
+    return at::from_blob(t.ptr, {p.B, p.H, p.L, D}, {t.stride_b, t.stride_h, t.stride_l, 1},
+                         at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value).device(device));
+  };
+  if (P == Pass::Forward && p.end_vector != nullptr) {
+    at::Tensor end = at::from_blob(p.end_vector, {p.B, p.H, p.E}, accumulation);
+    at::sum_out(end, rows(p.k, p.E), {2}, false, at::kFloat);
+    if (p.start_vector != nullptr) end.add_(at::from_blob(const_cast<void*>(p.start_vector), {p.B, p.H, p.E}, accumulation));
+  }
+  if (P == Pass::GradK && p.out_bias != nullptr) {
+    rows(p.dk, p.E).add_(at::from_blob(const_cast<void*>(p.out_bias), {p.B, p.H, 1, p.E}, accumulation));
+  }
+}
+
+// Pass P on the wgmma kernels (launch_wgmma_kernels), and the key sums beside a state (add_key_sums).
+template <Pass P, typename scalar_t>
+ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  KernelParams p = params;
+  p.start_vector = p.out_bias = nullptr;
+  p.end_vector = nullptr;  // (no key-sum regions in the workspace either)
+  const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
+  if (!params.dry_run) add_key_sums<P, scalar_t>(params);
+  return kept;
 }
 
 }  // namespace cuda
