@@ -744,24 +744,52 @@ def test_float32_magnitudes_spread_within_a_tile(shape):
         assert relative_error(x, ref) <= 1e-5, name
 
 
+def states_step(q, k, v, state0, layout, scale):
+    """(out, final kv, final k_sum) of a call from state0 that returns its final state."""
+    out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=scale, layout=layout, initial_state=state0,
+                                                          return_final_state=True)
+    return out, state.kv, state.k_sum
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_states_take_the_wgmma_kernels(dtype, monkeypatch):
+    """A state in and out without normalize runs on the wgmma kernels, forward and backward (dk and
+    dv as two reverse passes), in one segment and in three, and on no mma.sync or chunked kernel."""
+    B, H, L, E, M = 2, 3, 300, 64, 64
+    for segments in ("1", "3"):
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+        q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda"))
+        state0 = [x.cuda().requires_grad_() for x in make_state(B, H, E, M, dtype, False)]
+        with cuda_kernels_launched() as names:
+            out, kv1, k_sum1 = states_step(q, k, v, state0, "bhld", 0.5)
+            torch.autograd.grad((out.float().sum() + kv1.sum() + k_sum1.sum()), (q, k, v, *state0))
+        assert any("wgmma" in n for n in names), names
+        assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+
+
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("scale", [1.0, 0.7])
 @pytest.mark.parametrize("segments", ["1", "3"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (1, 2, 260, 256, 64),
                                    (2, 1, 200, 40, 256)], ids=shape_id)
-def test_states_on_the_wgmma_kernels(shape, layout, segments, dtype, monkeypatch):
-    """An initial state in and the final state out, without normalize, on the wgmma kernels (where
-    the build has them: no mma.sync kernel runs), the key sums beside them (the forward's final
-    k_sum, dk's constant row from the final k_sum's gradient): in 1 or 3 time segments (the 16-bit
-    forward's segments then in three launches, where one would not add the given start), E != M,
-    E or M above 128, both layouts. The output and the gradients of q, k and v within twice plain
-    PyTorch's error in the dtype (at least ERROR_FLOOR), the final state and the initial state's
-    gradients within 1e-5 (float32 sums of inputs read exactly), all against float64."""
+def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monkeypatch):
+    """An initial state in and the final state out, without normalize, on the wgmma kernels where
+    the build has them (test_states_take_the_wgmma_kernels), the key sums beside them (the
+    forward's final k_sum, dk's constant row from the final k_sum's gradient), the reverse passes'
+    start and end rescaled where scale != 1: in 1 or 3 time segments (the 16-bit forward's segments
+    then in three launches, where one would not add the given start), E != M, E or M above 128,
+    both layouts. The output and the gradients of q, k and v within twice plain PyTorch's error in
+    the dtype (at least ERROR_FLOOR), the final state and the initial state's gradients within 1e-5
+    (float32 sums of inputs read exactly), all against float64."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, dtype)).encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, dtype)).encode()))
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, generator=gen)
     state0 = make_state(B, H, E, M, dtype, False)
     # cotangents exact in the dtype, so that every computation below gets the same ones
@@ -774,20 +802,11 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, dtype, monkeypatch
         loss = sum((x.double() * w.to(device)).sum() for x, w in ((out, w_out), (kv1, w_kv), (k_sum1, w_k_sum)))
         return [x.detach().cpu() for x in (out, kv1, k_sum1, *torch.autograd.grad(loss, leaves))]
 
-    def ours(q_, k_, v_, kv0, k_sum0):
-        out, state = fast_causal_attn.causal_linear_attention(q_, k_, v_, layout=layout, initial_state=(kv0, k_sum0),
-                                                              return_final_state=True)
-        return out, state.kv, state.k_sum
-
-    with cuda_kernels_launched() as names:
-        got = run(ours, "cuda")
-    if os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA") == "1" and ON_SM90:
-        assert any("wgmma" in n for n in names), names
-        assert not any("tensorcore_product_kernel" in n or "chunked" in n for n in names), names
-    exact = run(lambda *x: reference_with_state(*x[:3], x[3:], layout=layout), "cpu")
-    plain = run(lambda *x: reference_with_state(*x[:3], x[3:], layout=layout, dtype=dtype), "cuda")
-    names_ = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
-    for i, (name, x, ref) in enumerate(zip(names_, got, exact)):
+    got = run(lambda *x: states_step(*x[:3], x[3:], layout, scale), "cuda")
+    exact = run(lambda *x: reference_with_state(*x[:3], x[3:], scale=scale, layout=layout), "cpu")
+    plain = run(lambda *x: reference_with_state(*x[:3], x[3:], scale=scale, layout=layout, dtype=dtype), "cuda")
+    names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
+    for i, (name, x, ref) in enumerate(zip(names, got, exact)):
         if i in (0, 3, 4, 5):  # in the dtype
             tolerance = max(2 * relative_error(plain[i], ref), ERROR_FLOOR[dtype])
         else:  # float32 state

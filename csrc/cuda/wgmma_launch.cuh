@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -92,6 +93,11 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // Otherwise a state changes nothing here, so a plan (which marks a state by its kv alone)
     // decides as the run does.
     if (p.cu_seqlens != nullptr && p.has_state_io()) return false;
+    // The reverse passes take a given start divided by the scale (launch_wgmma): where that is
+    // finite and as exact as a float32 division, |scale| in [2^-32, 2^32].
+    if (PassTraits<P>::kReverse && p.start_state != nullptr && !(std::abs(p.scale) >= 0x1p-32 && std::abs(p.scale) <= 0x1p32)) {
+      return false;
+    }
     return device_runs_sm90a();
   }
 #else
@@ -426,12 +432,26 @@ void add_key_sums(const KernelParams& p) {
 }
 
 // Pass P on the wgmma kernels (launch_wgmma_kernels), and the key sums beside a state (add_key_sums).
+// The kernels multiply each output by the scale, A's product with the state too, and the reverse
+// passes' state holds the sums of q dO^T without it (wgmma_product.cuh): a given start there (the
+// final state's gradient, which takes no scale) goes in divided by the scale, and the end (the
+// initial state's gradient: the start plus scale times the sums) comes out times it.
 template <Pass P, typename scalar_t>
 ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   KernelParams p = params;
   p.start_vector = p.out_bias = nullptr;
   p.end_vector = nullptr;  // (no key-sum regions in the workspace either)
+  constexpr bool kScaledState = PassTraits<P>::kReverse;
+  const bool rescale = kScaledState && p.scale != 1.0 && !p.dry_run;
+  const auto accumulation = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+  const int64_t state_numel = p.num_seqs * p.H * Da * Dc;
+  at::Tensor start;
+  if (rescale && p.start_state != nullptr) {
+    start = at::from_blob(const_cast<void*>(p.start_state), {state_numel}, accumulation).div(p.scale);
+    p.start_state = start.data_ptr();
+  }
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
+  if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, accumulation).mul_(p.scale);
   if (!params.dry_run) add_key_sums<P, scalar_t>(params);
   return kept;
 }
