@@ -23,7 +23,10 @@
 // run each pass alone (wgmma_product_kernel: the forward and dq, and dk and dv as two reverse
 // passes where E or M is above 128), and dk with dv in one reverse pass (wgmma_grad_kv_kernel,
 // wgmma_grad_kv_wide_kernel above 64), one block a (sequence, head, time segment), where
-// wgmma_takes says; states in or out and normalize stay with the mma.sync kernels.
+// wgmma_takes says; normalize (and states with packed sequences) stay with the mma.sync kernels.
+// A state in or out: each block starts from SegmentStart (a given start added to the segments'
+// sums) and the last in pass order writes SegmentEnd's; the key sums beside it are the host's
+// (launch_wgmma), and dk with dv in one pass takes none (run_grad_kv: the two reverse passes).
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
