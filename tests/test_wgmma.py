@@ -756,8 +756,9 @@ def states_step(q, k, v, state0, layout, scale):
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_states_take_the_wgmma_kernels(dtype, monkeypatch):
-    """A state in and out without normalize runs on the wgmma kernels, forward and backward (dk and
-    dv as two reverse passes), in one segment and in three, and on no mma.sync or chunked kernel."""
+    """A state in and out without normalize runs on the wgmma kernels, forward and backward (16-bit:
+    dk with dv in one pass, float32: two reverse passes), in one segment and in three, and on no
+    mma.sync or chunked kernel."""
     B, H, L, E, M = 2, 3, 300, 64, 64
     for segments in ("1", "3"):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
@@ -768,6 +769,8 @@ def test_states_take_the_wgmma_kernels(dtype, monkeypatch):
             torch.autograd.grad((out.float().sum() + kv1.sum() + k_sum1.sum()), (q, k, v, *state0))
         assert any("wgmma" in n for n in names), names
         assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+        fused = any("wgmma_grad_kv_kernel" in n for n in names)
+        assert fused == (dtype != torch.float32), names
 
 
 @CUDA
@@ -782,7 +785,8 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
     """An initial state in and the final state out, without normalize, on the wgmma kernels where
     the build has them (test_states_take_the_wgmma_kernels), the key sums beside them (the
     forward's final k_sum, dk's constant row from the final k_sum's gradient), the reverse passes'
-    start and end rescaled where scale != 1: in 1 or 3 time segments (the 16-bit forward's segments
+    start and end rescaled where scale != 1 (16-bit dk with dv in one pass, its end transposed;
+    above 128 two passes): in 1 or 3 time segments (the 16-bit forward's segments
     then in three launches, where one would not add the given start), E != M, E or M above 128,
     both layouts. The output and the gradients of q, k and v within twice plain PyTorch's error in
     the dtype (at least ERROR_FLOOR), the final state and the initial state's gradients within 1e-5

@@ -60,6 +60,20 @@ KernelParams with_state_io(const KernelParams& p) {
   return s;
 }
 
+// dk and dv in one pass from a state (the wgmma kernels' GradKV, without normalize): its state D =
+// sum dO^T q (M x E) serves both gradients (dk = V D, dv = K D^T), so it starts from the final
+// state's gradient transposed (GradK's start; GradV's is the same matrix) and ends as the initial
+// state's, E x M (GradV's end), written transposed; the final key sum's gradient is dk's constant
+// row (GradK's out_bias). Measured (bf16, H100, RESULTS.md, fifty-first session): the two reverse
+// passes with a state took 0.284 + 0.196 ms at 1,16,32768,128, the fused pass without one 0.396.
+inline KernelParams grad_kv_state_io(const KernelParams& p) {
+  KernelParams s = p;
+  s.start_state = p.grad_final_kv, s.start_transposed = true;
+  s.end_state = p.grad_initial_kv, s.end_transposed = true;
+  s.out_bias = p.normalize ? nullptr : p.grad_final_k_sum;
+  return s;
+}
+
 // The family a pass gets by default, from crossovers measured side by side (H200, forward +
 // backward ms, tensor-core / recurrent family; benchmarks/RESULTS.md, 2026-11-30, fifth session):
 //  - float16 / bfloat16, every Da up to 256: tensor cores, 3-14x faster at every benchmark shape
@@ -191,14 +205,18 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
   const bool forced = fused != nullptr && std::strcmp(fused, "1") == 0;
   if (p.cu_seqlens != nullptr) return false;
-  if (with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io()) return false;
+  const bool states = with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io();
   // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
   if constexpr (kWgmmaInput<scalar_t>) {
-    if (forced_family() == Family::Default && wgmma_takes<Pass::GradKV, scalar_t>(p, p.M, p.E)) {
-      launch_wgmma<Pass::GradKV, scalar_t>(p, p.M, p.E, stream);
-      return true;
+    if (forced_family() == Family::Default) {
+      const KernelParams s = states ? grad_kv_state_io(p) : p;
+      if (wgmma_takes<Pass::GradKV, scalar_t>(s, p.M, p.E)) {
+        launch_wgmma<Pass::GradKV, scalar_t>(s, p.M, p.E, stream);
+        return true;
+      }
     }
   }
+  if (states) return false;  // the other fused passes take no state
   if constexpr (std::is_same_v<scalar_t, float>) {  // float32 on wgmma: dk and dv as two reverse passes
     if (!forced && forced_family() == Family::Default && wgmma_takes<Pass::GradK, scalar_t>(p, p.M, p.E) &&
         wgmma_takes<Pass::GradV, scalar_t>(p, p.E, p.M)) {

@@ -106,7 +106,8 @@ struct KernelParams : BackwardParams {
   const void* start_state = nullptr;   // [B * H, Da, Dc], or [B * H, Dc, Da] when start_transposed
   bool start_transposed = false;
   const void* start_vector = nullptr;  // the forward's key sum [B * H, Da]; the extra row's [B * H, Dc]
-  void* end_state = nullptr;           // [B * H, Da, Dc]
+  void* end_state = nullptr;           // [B * H, Da, Dc], or [B * H, Dc, Da] when end_transposed
+  bool end_transposed = false;         // (dk with dv in one pass: run_grad_kv)
   void* end_vector = nullptr;          // like start_vector
   const void* out_bias = nullptr;      // [B * H, Dc], added to every output row (grad k, no normalize)
 
@@ -439,6 +440,7 @@ struct SegmentEnd {
   acc_t* state = nullptr;
   acc_t* key_sum = nullptr;
   acc_t* extra = nullptr;
+  bool transposed = false;  // state is [Dc, Da] (KernelParams::end_transposed)
 
   __device__ SegmentEnd(const KernelParams& p, int64_t pair, int64_t segment, int64_t Da, int64_t Dc, bool reverse,
                         bool forward, Piece piece = Piece::kSegment) {
@@ -450,6 +452,7 @@ struct SegmentEnd {
       extra = static_cast<acc_t*>(tail ? p.seg_tail_extra : p.seg_extra) + base * Dc;
     } else if (segment == (reverse ? 0 : p.segments - 1)) {
       if (p.end_state != nullptr) state = static_cast<acc_t*>(p.end_state) + pair * Da * Dc;
+      transposed = p.end_transposed;
       if (p.end_vector != nullptr && forward) key_sum = static_cast<acc_t*>(p.end_vector) + pair * Da;
       if (p.end_vector != nullptr && !forward) extra = static_cast<acc_t*>(p.end_vector) + pair * Dc;
     }

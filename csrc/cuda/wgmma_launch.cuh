@@ -406,27 +406,103 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   return {};
 }
 
+// The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
+// fixed order (bit for bit repeatable). Each block sums `slab` timesteps of one (sequence, head),
+// four columns a thread (E a multiple of 4 and rows in 16-byte vectors: wgmma_takes), its rows
+// at once as far as 256 threads go, then adds its row groups in order; with one slab a pair it
+// adds the given start and writes the end itself, else its slab's sums into `partials` [pair,
+// slab, E] for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's
+// 3.0: 25 us at bf16 8,16,2048,64, RESULTS.md, fifty-first session.)
+constexpr int kKeySumThreads = 256;
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kKeySumThreads)
+    key_sum_slabs_kernel(const KernelParams p, int64_t slab, int64_t slabs, float* partials) {
+  struct alignas(4 * sizeof(scalar_t)) Four {
+    scalar_t x[4];
+  };
+  __shared__ float sums[kKeySumThreads * 4];
+  const int64_t pair = blockIdx.x / slabs, index = blockIdx.x % slabs, b = pair / p.H, h = pair % p.H;
+  const int lanes = int(p.E / 4), rows = kKeySumThreads / lanes;  // threads a row, rows at once
+  const int lane = threadIdx.x % lanes, row = threadIdx.x / lanes;
+  float sum[4] = {0.f, 0.f, 0.f, 0.f};
+  if (row < rows) {
+    const scalar_t* k = static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0) + 4 * lane;
+    const int64_t end = min(p.L, (index + 1) * slab);
+#pragma unroll 4
+    for (int64_t t = index * slab + row; t < end; t += rows) {
+      const Four v = *reinterpret_cast<const Four*>(k + t * p.k.stride_l);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[e] += static_cast<float>(v.x[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sums[(row * lanes + lane) * 4 + e] = sum[e];
+  }
+  __syncthreads();
+  for (int64_t column = threadIdx.x; column < p.E; column += kKeySumThreads) {
+    float total = 0.f;
+    for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / 4) * 4 + column % 4];
+    if (slabs == 1) {
+      const float* start = static_cast<const float*>(p.start_vector);
+      static_cast<float*>(p.end_vector)[pair * p.E + column] = start != nullptr ? total + start[pair * p.E + column] : total;
+    } else {
+      partials[(pair * slabs + index) * p.E + column] = total;
+    }
+  }
+}
+
+// The slabs' sums added in order, then the given start: one thread a (pair, column). (A template,
+// as every kernel of these headers, so that each compile unit that launches it may hold it.)
+template <typename scalar_t>
+__global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const float* partials) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, pair = i / p.E, column = i % p.E;
+  if (i >= p.B * p.H * p.E) return;
+  float total = 0.f;
+  for (int64_t s = 0; s < slabs; ++s) total += partials[(pair * slabs + s) * p.E + column];
+  const float* start = static_cast<const float*>(p.start_vector);
+  static_cast<float*>(p.end_vector)[i] = start != nullptr ? total + start[i] : total;
+}
+
+// Slabs enough for four blocks a multiprocessor, none under 64 timesteps.
+template <typename scalar_t>
+void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
+  const int64_t pairs = p.B * p.H;
+  if (pairs == 0 || p.E == 0) return;
+  const int64_t wanted = (4 * multiprocessor_count() + pairs - 1) / pairs;
+  const int64_t slabs = std::max<int64_t>(1, std::min(wanted, p.L / 64));
+  const int64_t slab = (p.L + slabs - 1) / slabs;
+  TORCH_CHECK(pairs * slabs <= int64_t(0x7fffffff), "fast_causal_attn: B * H too large: ", pairs);
+  at::Tensor partials;
+  if (slabs > 1) {
+    partials = at::empty({pairs * slabs * p.E}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
+  }
+  key_sum_slabs_kernel<scalar_t><<<unsigned(pairs * slabs), kKeySumThreads, 0, stream>>>(
+      p, slab, slabs, slabs > 1 ? partials.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (slabs > 1) {
+    const int64_t blocks = (pairs * p.E + kKeySumThreads - 1) / kKeySumThreads;
+    key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(p, slabs, partials.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
 // The key sums beside a state, which the wgmma kernels do not carry (they take no normalize, where
-// the key sums meet q: wgmma_takes), each one torch op on the current stream after the pass: the
-// forward's final key sum, the initial one plus the sum of k over time, in float32 (k read a second
-// time: a quarter of the forward's floor where E = M); and the gradient of k's constant row (the
+// the key sums meet q: wgmma_takes), on the current stream after the pass: the forward's final key
+// sum, the initial one plus the sum of k over time, in float32 (launch_key_sum: k read a second
+// time, a quarter of the forward's floor where E = M); and the gradient of k's constant row (the
 // final key sum's gradient, out_bias) added to every row of dk (dk read and written once more;
 // rounded twice in 16-bit, once by the pass, once by the add, where the mma.sync kernels add it
 // before their one rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
 template <Pass P, typename scalar_t>
-void add_key_sums(const KernelParams& p) {
+void add_key_sums(const KernelParams& p, cudaStream_t stream) {
   const at::Device device(at::kCUDA, c10::cuda::current_device());
   const auto accumulation = at::TensorOptions().dtype(at::kFloat).device(device);
   const auto rows = [&](const StridedTensor& t, int64_t D) {  // [B, H, L, D] through t's strides
     return at::from_blob(t.ptr, {p.B, p.H, p.L, D}, {t.stride_b, t.stride_h, t.stride_l, 1},
                          at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value).device(device));
   };
-  if (P == Pass::Forward && p.end_vector != nullptr) {
-    at::Tensor end = at::from_blob(p.end_vector, {p.B, p.H, p.E}, accumulation);
-    at::sum_out(end, rows(p.k, p.E), {2}, false, at::kFloat);
-    if (p.start_vector != nullptr) end.add_(at::from_blob(const_cast<void*>(p.start_vector), {p.B, p.H, p.E}, accumulation));
-  }
-  if (P == Pass::GradK && p.out_bias != nullptr) {
+  if (P == Pass::Forward && p.end_vector != nullptr) launch_key_sum<scalar_t>(p, stream);
+  if ((P == Pass::GradK || P == Pass::GradKV) && p.out_bias != nullptr) {
     rows(p.dk, p.E).add_(at::from_blob(const_cast<void*>(p.out_bias), {p.B, p.H, 1, p.E}, accumulation));
   }
 }
@@ -452,7 +528,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   }
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
   if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, accumulation).mul_(p.scale);
-  if (!params.dry_run) add_key_sums<P, scalar_t>(params);
+  if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
   return kept;
 }
 

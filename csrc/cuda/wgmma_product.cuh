@@ -590,7 +590,7 @@ __device__ __forceinline__ void add_segments_before(float (&d)[32], const float*
   }
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
-                                          int64_t col0 = 0) {
+                                          int64_t col0 = 0, bool transposed = false) {
   if (to == nullptr) return;
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
@@ -598,7 +598,7 @@ __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
-      if (row < Da && column < Dc) to[row * Dc + column] = d[4 * j + e];
+      if (row < Da && column < Dc) to[transposed ? column * Da + row : row * Dc + column] = d[4 * j + e];
     }
 }
 
@@ -1282,9 +1282,11 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
   }
-  // D to where the segment ends (SegmentEnd; state-only blocks: their own sums), at both of its stores
+  // D to where the segment ends (SegmentEnd; state-only blocks: their own sums; the initial state's
+  // gradient E x M, transposed), at both of its stores
   auto store_segment_end = [&] {
-    store_end(d, SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state, M, E);
+    const SegmentEnd<float> end(p, work.pair, work.segment, M, E, true, false, work.piece);
+    store_end(d, end.state, M, E, 0, 0, end.transposed);
   };
   if (state_only) {  // the segment's own dO^T Q alone
     consume_sums();
@@ -1422,7 +1424,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
   // D's columns 64 group on (two row blocks of M) += dO^T Q's
   auto update_state = [&](uint32_t dt, uint32_t qt) { add_bt_times_c<kHalf>(d, dt, qt + group * kTile); };
-  float* end = SegmentEnd<float>(p, work.pair, work.segment, M, E, true, false, work.piece).state;
+  const SegmentEnd<float> end(p, work.pair, work.segment, M, E, true, false, work.piece);
   if (state_only) {  // the segment's own dO^T Q alone: a deeper ring (sum_depth) of q's and dO's atoms
     constexpr int kSumDepth = sum_depth(kStagingAt, 4);
     auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
@@ -1433,7 +1435,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     };
     sum_chunks<kSumDepth>(chunks, issue_sums, [&](int slot) { update_state(sum_tile(slot, 2), sum_tile(slot, 0)); });
 #pragma unroll
-    for (int a = 0; a < 2; ++a) store_end(d[a], end, M, E, 64 * a, 64 * group);
+    for (int a = 0; a < 2; ++a) store_end(d[a], end.state, M, E, 64 * a, 64 * group, end.transposed);
     return;
   }
   copy.publish_first(d);
@@ -1498,7 +1500,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     copy.publish(d);
   }
 #pragma unroll
-  for (int a = 0; a < 2; ++a) store_end(d[a], end, M, E, 64 * a, 64 * group);
+  for (int a = 0; a < 2; ++a) store_end(d[a], end.state, M, E, 64 * a, 64 * group, end.transposed);
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
