@@ -173,8 +173,9 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
   return !(forced_family() == Family::Chunked && Da <= kMaxChunkedRows) && !on_tensor_cores<P, scalar_t>(p, Da, Dc);
 }
 
-// The gradients of k and v in one pass, where both would run in the same family, without states
-// in or out or packed sequences (those keep the two passes):
+// The gradients of k and v in one pass, where both would run in the same family, without packed
+// sequences, and without states in or out but on the 16-bit wgmma kernels (grad_kv_state_io;
+// elsewhere those keep the two passes):
 //  - Hopper's wgmma, 16-bit, E, M <= 128, where wgmma_takes (wgmma_grad_kv_kernel, and above 64
 //    wgmma_grad_kv_wide_kernel: the state dO^T q feeds both gradients; bf16 8,16,2048,64 kernel
 //    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync

@@ -25,8 +25,8 @@
 // wgmma_grad_kv_wide_kernel above 64), one block a (sequence, head, time segment), where
 // wgmma_takes says; normalize (and states with packed sequences) stay with the mma.sync kernels.
 // A state in or out: each block starts from SegmentStart (a given start added to the segments'
-// sums) and the last in pass order writes SegmentEnd's; the key sums beside it are the host's
-// (launch_wgmma), and dk with dv in one pass takes none (run_grad_kv: the two reverse passes).
+// sums) and the last in pass order writes SegmentEnd's (dk with dv in one pass: the initial
+// state's gradient transposed, run_grad_kv); the key sums beside it are launch_wgmma's.
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
