@@ -35,6 +35,10 @@ inline Family forced_family() {
 // (S0, z0) to (S1, z1); the dq product starts from [S0^T; z0]; the dk product from
 // [dS1^T; dz1] and ends at dz0 in its extra row; the dv product from dS1 to dS0. Without normalize
 // the key sums never meet q: dz1 reaches dk as a constant row (out_bias) and dz0 = dz1 (host).
+// dk and dv in one pass (the 16-bit wgmma kernels' GradKV, without normalize; run_grad_kv): its
+// state D = sum dO^T q (M x E) serves both gradients (dk = V D, dv = K D^T), so it starts from
+// dS1^T (dk's start; dv's is the same matrix) and ends as dS0 (E x M: dv's end), written
+// transposed, with dk's constant row.
 template <Pass P>
 KernelParams with_state_io(const KernelParams& p) {
   KernelParams s = p;
@@ -56,21 +60,12 @@ KernelParams with_state_io(const KernelParams& p) {
     case Pass::GradV:
       s.start_state = p.grad_final_kv, s.end_state = p.grad_initial_kv;
       break;
+    case Pass::GradKV:
+      s.start_state = p.grad_final_kv, s.start_transposed = true;
+      s.end_state = p.grad_initial_kv, s.end_transposed = true;
+      s.out_bias = p.normalize ? nullptr : p.grad_final_k_sum;
+      break;
   }
-  return s;
-}
-
-// dk and dv in one pass from a state (the wgmma kernels' GradKV, without normalize): its state D =
-// sum dO^T q (M x E) serves both gradients (dk = V D, dv = K D^T), so it starts from the final
-// state's gradient transposed (GradK's start; GradV's is the same matrix) and ends as the initial
-// state's, E x M (GradV's end), written transposed; the final key sum's gradient is dk's constant
-// row (GradK's out_bias). Measured (bf16, H100, RESULTS.md, fifty-first session): the two reverse
-// passes with a state took 0.284 + 0.196 ms at 1,16,32768,128, the fused pass without one 0.396.
-inline KernelParams grad_kv_state_io(const KernelParams& p) {
-  KernelParams s = p;
-  s.start_state = p.grad_final_kv, s.start_transposed = true;
-  s.end_state = p.grad_initial_kv, s.end_transposed = true;
-  s.out_bias = p.normalize ? nullptr : p.grad_final_k_sum;
   return s;
 }
 
@@ -174,8 +169,9 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 }
 
 // The gradients of k and v in one pass, where both would run in the same family, without packed
-// sequences, and without states in or out but on the 16-bit wgmma kernels (grad_kv_state_io;
-// elsewhere those keep the two passes):
+// sequences, and without states in or out but on the 16-bit wgmma kernels (with_state_io's GradKV;
+// elsewhere those keep the two passes; bf16 1,16,32768,128 with a state: the two reverse passes
+// 0.284 + 0.196 ms, the fused pass without one 0.396, H100, RESULTS.md, fifty-first session):
 //  - Hopper's wgmma, 16-bit, E, M <= 128, where wgmma_takes (wgmma_grad_kv_kernel, and above 64
 //    wgmma_grad_kv_wide_kernel: the state dO^T q feeds both gradients; bf16 8,16,2048,64 kernel
 //    79 us against the fused mma.sync pass's 110, 8,16,2048,128 149 us against the two mma.sync
@@ -209,12 +205,10 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   const bool states = with_state_io<Pass::GradK>(p).has_state_io() || with_state_io<Pass::GradV>(p).has_state_io();
   // Both passes' (Da, Dc): dk's (M, E), dv's (E, M).
   if constexpr (kWgmmaInput<scalar_t>) {
-    if (forced_family() == Family::Default) {
-      const KernelParams s = states ? grad_kv_state_io(p) : p;
-      if (wgmma_takes<Pass::GradKV, scalar_t>(s, p.M, p.E)) {
-        launch_wgmma<Pass::GradKV, scalar_t>(s, p.M, p.E, stream);
-        return true;
-      }
+    const KernelParams s = with_state_io<Pass::GradKV>(p);
+    if (forced_family() == Family::Default && wgmma_takes<Pass::GradKV, scalar_t>(s, p.M, p.E)) {
+      launch_wgmma<Pass::GradKV, scalar_t>(s, p.M, p.E, stream);
+      return true;
     }
   }
   if (states) return false;  // the other fused passes take no state

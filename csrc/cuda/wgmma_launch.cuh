@@ -406,6 +406,11 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   return {};
 }
 
+// float32 tensors on the current device: the key sums' and the rescaled states' (launch_wgmma).
+inline at::TensorOptions float_options() {
+  return at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+}
+
 // The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
 // fixed order (bit for bit repeatable). Each block sums `slab` timesteps of one (sequence, head),
 // four columns a thread (E a multiple of 4 and rows in 16-byte vectors: wgmma_takes), its rows
@@ -414,6 +419,12 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
 // slab, E] for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's
 // 3.0: 25 us at bf16 8,16,2048,64, RESULTS.md, fifty-first session.)
 constexpr int kKeySumThreads = 256;
+
+// The final key sum's element i (pair * E + column): k's sum over time plus the given start.
+__device__ __forceinline__ void write_key_sum(const KernelParams& p, int64_t i, float sum) {
+  const float* start = static_cast<const float*>(p.start_vector);
+  static_cast<float*>(p.end_vector)[i] = start != nullptr ? sum + start[i] : sum;
+}
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kKeySumThreads)
@@ -443,8 +454,7 @@ __global__ void __launch_bounds__(kKeySumThreads)
     float total = 0.f;
     for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / 4) * 4 + column % 4];
     if (slabs == 1) {
-      const float* start = static_cast<const float*>(p.start_vector);
-      static_cast<float*>(p.end_vector)[pair * p.E + column] = start != nullptr ? total + start[pair * p.E + column] : total;
+      write_key_sum(p, pair * p.E + column, total);
     } else {
       partials[(pair * slabs + index) * p.E + column] = total;
     }
@@ -459,8 +469,7 @@ __global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const
   if (i >= p.B * p.H * p.E) return;
   float total = 0.f;
   for (int64_t s = 0; s < slabs; ++s) total += partials[(pair * slabs + s) * p.E + column];
-  const float* start = static_cast<const float*>(p.start_vector);
-  static_cast<float*>(p.end_vector)[i] = start != nullptr ? total + start[i] : total;
+  write_key_sum(p, i, total);
 }
 
 // Slabs enough for four blocks a multiprocessor, none under 64 timesteps.
@@ -474,7 +483,7 @@ void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
   TORCH_CHECK(pairs * slabs <= int64_t(0x7fffffff), "fast_causal_attn: B * H too large: ", pairs);
   at::Tensor partials;
   if (slabs > 1) {
-    partials = at::empty({pairs * slabs * p.E}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device()));
+    partials = at::empty({pairs * slabs * p.E}, float_options());
   }
   key_sum_slabs_kernel<scalar_t><<<unsigned(pairs * slabs), kKeySumThreads, 0, stream>>>(
       p, slab, slabs, slabs > 1 ? partials.data_ptr<float>() : nullptr);
@@ -495,15 +504,11 @@ void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
 // before their one rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
 template <Pass P, typename scalar_t>
 void add_key_sums(const KernelParams& p, cudaStream_t stream) {
-  const at::Device device(at::kCUDA, c10::cuda::current_device());
-  const auto accumulation = at::TensorOptions().dtype(at::kFloat).device(device);
-  const auto rows = [&](const StridedTensor& t, int64_t D) {  // [B, H, L, D] through t's strides
-    return at::from_blob(t.ptr, {p.B, p.H, p.L, D}, {t.stride_b, t.stride_h, t.stride_l, 1},
-                         at::TensorOptions().dtype(c10::CppTypeToScalarType<scalar_t>::value).device(device));
-  };
   if (P == Pass::Forward && p.end_vector != nullptr) launch_key_sum<scalar_t>(p, stream);
-  if ((P == Pass::GradK || P == Pass::GradKV) && p.out_bias != nullptr) {
-    rows(p.dk, p.E).add_(at::from_blob(const_cast<void*>(p.out_bias), {p.B, p.H, 1, p.E}, accumulation));
+  if ((P == Pass::GradK || P == Pass::GradKV) && p.out_bias != nullptr) {  // dk [B, H, L, E] through its strides
+    const auto options = float_options().dtype(c10::CppTypeToScalarType<scalar_t>::value);
+    at::from_blob(p.dk.ptr, {p.B, p.H, p.L, p.E}, {p.dk.stride_b, p.dk.stride_h, p.dk.stride_l, 1}, options)
+        .add_(at::from_blob(const_cast<void*>(p.out_bias), {p.B, p.H, 1, p.E}, float_options()));
   }
 }
 
@@ -517,17 +522,15 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   KernelParams p = params;
   p.start_vector = p.out_bias = nullptr;
   p.end_vector = nullptr;  // (no key-sum regions in the workspace either)
-  constexpr bool kScaledState = PassTraits<P>::kReverse;
-  const bool rescale = kScaledState && p.scale != 1.0 && !p.dry_run;
-  const auto accumulation = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+  const bool rescale = PassTraits<P>::kReverse && p.scale != 1.0 && !p.dry_run;
   const int64_t state_numel = p.num_seqs * p.H * Da * Dc;
   at::Tensor start;
   if (rescale && p.start_state != nullptr) {
-    start = at::from_blob(const_cast<void*>(p.start_state), {state_numel}, accumulation).div(p.scale);
+    start = at::from_blob(const_cast<void*>(p.start_state), {state_numel}, float_options()).div(p.scale);
     p.start_state = start.data_ptr();
   }
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
-  if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, accumulation).mul_(p.scale);
+  if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, float_options()).mul_(p.scale);
   if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
   return kept;
 }
