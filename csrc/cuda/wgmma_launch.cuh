@@ -361,9 +361,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
-  // (one launch adds the segments before a block, not a given start: a start takes three)
-  const bool one_launch = one_launch_kernel != nullptr && p.start_state == nullptr &&
-                          one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
+  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // float32's state-only launch in heads and tails where its blocks would leave multiprocessors
   // idle (choose_state_head; one block a multiprocessor): 1,16,32768,128 sums its first segment
   // on 64 blocks (16 pairs x 4 tiles) of 132 in whole segments, on 128 in heads and tails

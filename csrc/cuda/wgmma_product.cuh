@@ -589,6 +589,24 @@ __device__ __forceinline__ void add_segments_before(float (&d)[32], const float*
     for (int i = 0; i < 32; ++i) d[i] += next[i];
   }
 }
+// The pass's given start (KernelParams::start_state: SegmentStart's second term, added after the
+// segments' sums as there) into an accumulator, layout as load_start's: one launch's segments,
+// which sum the segments before them themselves (add_segments_before).
+__device__ __forceinline__ void add_given_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t Da,
+                                                int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
+  if (p.start_state == nullptr) return;
+  const float* start = static_cast<const float*>(p.start_state);
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+      if (row < Da && column < Dc) {
+        d[4 * j + e] += p.start_transposed ? start[(pair * Dc + column) * Da + row] : start[(pair * Da + row) * Dc + column];
+      }
+    }
+}
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
                                           int64_t col0 = 0, bool transposed = false) {
   if (to == nullptr) return;
@@ -1011,6 +1029,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       // the start, where the scan would have left it: the dq pass's (the forward's kept starts)
       store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
                 row0 + 64 * a, m0);
+      add_given_start(state[a], p, work.pair, Da, Dc, row0 + 64 * a, m0);  // (after the kept start: dq adds its own)
     }
   } else {
 #pragma unroll
@@ -1279,6 +1298,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     // from the sums of the segments after it, the last first (the reverse scan's order)
     lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment, consumers_sync, kThreads);
     add_segments_before(d, p.seg_sums + (slot0 + p.segments - 1) * M * E, p.segments - 1 - work.segment, -1, M, E);
+    add_given_start(d, p, work.pair, M, E);
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
   }
