@@ -2,8 +2,8 @@
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
-or the heads alone where TF32 is allowed; no
-normalize, no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
+or the heads alone where TF32 is allowed; normalize only in the 16-bit forward up to 128 of the
+state's rows, no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
 kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
@@ -820,5 +820,88 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
         else:  # float32 state
             assert x.dtype == torch.float32, name
             tolerance = 1e-5
+        err = relative_error(x, ref)
+        assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"
+
+
+def normalized_step(q, k, v, state0, layout, scale):
+    """(out, final kv, final k_sum) of a normalized call, from state0 (or from zeros: None)."""
+    out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=scale, normalize=True, layout=layout,
+                                                          initial_state=state0, return_final_state=True)
+    return out, state.kv, state.k_sum
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
+                                   (1, 3, 333, 128, 40)], ids=shape_id)
+def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
+    """The 16-bit normalized forward runs on wgmma_product_kernel up to 128 of the state's rows (one
+    or two atoms, one warpgroup or two), in segments through the state-only launch and the scan
+    (its one-launch segments carry no key sums), and on no mma.sync kernel; its backward on the
+    mma.sync kernels."""
+    B, H, L, E, M = shape
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+    assert any("wgmma_product_kernel" in n for n in names), names
+    assert any("scan_segments" in n for n in names), names
+    assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+    with cuda_kernels_launched() as names:
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert any("tensorcore_product_kernel" in n for n in names), names
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("state", ["zero", "given"])
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
+                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8)], ids=shape_id)
+def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale, state, dtype, monkeypatch):
+    """normalize=True with the forward on the wgmma kernels where the build has them (the key sum
+    entering each chunk, den from the masked float32 scores' row sums and q . z, each output row
+    times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den and kept segment
+    starts read by the mma.sync backward: in 1 or 3 time segments (the key sums' state-only sums
+    and scan), one atom or two, one warpgroup or two, partial chunks, E != M, both layouts, scale
+    1 and 0.7, from zeros or a given state with the final state out. The final state (float32 sums
+    of inputs read exactly) within 1e-5; the output and every gradient within twice plain
+    PyTorch's error in the dtype (at least ERROR_FLOOR): the initial state's gradients too, which
+    the normalized backward makes from the 16-bit output read back (dO . O) and q / den rounded to
+    16 bits; all against float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state, dtype)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, normalize=True, generator=gen)
+    state0 = list(make_state(B, H, E, M, dtype, True)) if state == "given" else []
+    w_out, w_kv, w_k_sum = (torch.randn(shape_, generator=gen, dtype=torch.float64).to(dtype).double()
+                            for shape_ in (v.shape, (B, H, E, M), (B, H, E)))
+
+    def run(attend, device):
+        leaves = [x.detach().to(device).requires_grad_() for x in (q, k, v, *state0)]
+        out, kv1, k_sum1 = attend(*leaves)
+        loss = sum((x.double() * w.to(device)).sum() for x, w in ((out, w_out), (kv1, w_kv), (k_sum1, w_k_sum)))
+        return [x.detach().cpu() for x in (out, kv1, k_sum1, *torch.autograd.grad(loss, leaves))]
+
+    def given(x):
+        return x[3:] if state0 else None
+
+    got = run(lambda *x: normalized_step(*x[:3], given(x), layout, scale), "cuda")
+    kwargs = dict(scale=scale, normalize=True, layout=layout)
+    exact = run(lambda *x: reference_with_state(*x[:3], given(x), **kwargs), "cpu")
+    plain = run(lambda *x: reference_with_state(*x[:3], given(x), dtype=dtype, **kwargs), "cuda")
+    names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
+    for i, (name, x, ref) in enumerate(zip(names, got, exact)):
+        if i in (1, 2):  # the final state
+            assert x.dtype == torch.float32, name
+            tolerance = 1e-5
+        else:
+            tolerance = max(2 * relative_error(plain[i], ref), ERROR_FLOOR[dtype])
         err = relative_error(x, ref)
         assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"

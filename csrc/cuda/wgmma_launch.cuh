@@ -30,7 +30,8 @@ constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> || (std::is_same_v<scalar_t, f
 bool device_runs_sm90a();
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// no normalize, no states in or out with packed sequences, and
+// normalize only in the 16-bit forward up to two atoms (Da <= 128), no states in or out with
+// packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -82,7 +83,9 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // up to two atoms); dk and dv in one pass: E and M up to 64 on one warpgroup, up to 128 on
     // two. float32: Da and Dc in tiles of 64, up to four (RowTileSums).
     constexpr int64_t kMax = P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
-    if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0 || p.normalize) return false;
+    if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0) return false;
+    // Normalize: the 16-bit forward up to two atoms (its kernel's KeySums); the rest on mma.sync.
+    if (p.normalize && (kFloat || P != Pass::Forward || Da > 128)) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
     if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
@@ -296,7 +299,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>};
+  const bool normalize = P == Pass::Forward && p.normalize;  // (wgmma_takes: 16-bit, up to two atoms)
+  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize};
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
@@ -304,17 +308,27 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t row_tiles = kFloat ? (Da + C * row_parts - 1) / (C * row_parts) : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
-  const auto kernel = [atoms, groups, wide, row_parts, tf32 = p.tf32] {
+  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32
       if (row_parts == 2) return tf32 ? wgmma_tf32_product_kernel<P, false, 2> : wgmma_tf32_product_kernel<P, true, 2>;
       return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
     } else if constexpr (P == Pass::GradKV) {
-      (void)row_parts;
+      (void)row_parts, (void)normalize;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
       (void)row_parts;
+      if constexpr (P == Pass::Forward) {  // the normalizer's instances (up to two atoms)
+        if (normalize && groups == 2) {
+          return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
+                            : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
+        }
+        if (normalize) {
+          return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
+                            : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
+        }
+      }
       if (atoms == 4) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
       if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
         if (groups == 2) return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 1, 2>;
@@ -323,16 +337,17 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     }
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
-  const auto one_launch_kernel = [atoms, groups, wide]() -> decltype(kernel) {
+  // (none under normalize: its one-launch sums would need the key sums too)
+  const auto one_launch_kernel = [atoms, groups, wide, normalize]() -> decltype(kernel) {
     if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
-      (void)atoms, (void)groups, (void)wide;
+      (void)atoms, (void)groups, (void)wide, (void)normalize;
       return nullptr;
     } else if constexpr (P == Pass::GradKV) {
-      (void)atoms, (void)groups;
+      (void)atoms, (void)groups, (void)normalize;
       return wide ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
       (void)wide;
-      return atoms == 1 && groups == 1 ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
+      return atoms == 1 && groups == 1 && !normalize ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
     }
   }();
   // each pass alone: its groups and a producer warpgroup (one launch's instances too); dk with dv:
@@ -502,7 +517,8 @@ void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
 // before their one rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
 template <Pass P, typename scalar_t>
 void add_key_sums(const KernelParams& p, cudaStream_t stream) {
-  if (P == Pass::Forward && p.end_vector != nullptr) launch_key_sum<scalar_t>(p, stream);
+  // (normalize: the forward's kernel carries its key sums, KeySums)
+  if (P == Pass::Forward && p.end_vector != nullptr && !p.normalize) launch_key_sum<scalar_t>(p, stream);
   if ((P == Pass::GradK || P == Pass::GradKV) && p.out_bias != nullptr) {  // dk [B, H, L, E] through its strides
     const auto options = float_options().dtype(c10::CppTypeToScalarType<scalar_t>::value);
     at::from_blob(p.dk.ptr, {p.B, p.H, p.L, p.E}, {p.dk.stride_b, p.dk.stride_h, p.dk.stride_l, 1}, options)
@@ -518,8 +534,9 @@ void add_key_sums(const KernelParams& p, cudaStream_t stream) {
 template <Pass P, typename scalar_t>
 ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   KernelParams p = params;
-  p.start_vector = p.out_bias = nullptr;
-  p.end_vector = nullptr;  // (no key-sum regions in the workspace either)
+  // the key sums beside the kernels (add_key_sums), but the normalized forward's: its kernel's
+  if (!(P == Pass::Forward && p.normalize)) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
+  p.out_bias = nullptr;
   const bool rescale = PassTraits<P>::kReverse && p.scale != 1.0 && !p.dry_run;
   const int64_t state_numel = p.num_seqs * p.H * Da * Dc;
   at::Tensor start;

@@ -1,5 +1,6 @@
 // The chunked product on Hopper's warpgroup MMA (wgmma, sm_90a): bfloat16 and float16, the
-// state's rows and columns up to 256 (dk with dv in one pass: 128), without normalize. Per chunk
+// state's rows and columns up to 256 (dk with dv in one pass: 128); normalize in the forward up
+// to 128 rows (KeySums), the gradients' on the mma.sync kernels. Per chunk
 // of C = 64 timesteps (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
@@ -23,10 +24,11 @@
 // run each pass alone (wgmma_product_kernel: the forward and dq, and dk and dv as two reverse
 // passes where E or M is above 128), and dk with dv in one reverse pass (wgmma_grad_kv_kernel,
 // wgmma_grad_kv_wide_kernel above 64), one block a (sequence, head, time segment), where
-// wgmma_takes says; normalize (and states with packed sequences) stay with the mma.sync kernels.
-// A state in or out: each block starts from SegmentStart (a given start added to the segments'
-// sums) and the last in pass order writes SegmentEnd's (dk with dv in one pass: the initial
-// state's gradient transposed, run_grad_kv); the key sums beside it are launch_wgmma's.
+// wgmma_takes says; the normalized backward (and states with packed sequences) stay with the
+// mma.sync kernels. A state in or out: each block starts from SegmentStart (a given start added
+// to the segments' sums) and the last in pass order writes SegmentEnd's (dk with dv in one pass:
+// the initial state's gradient transposed, run_grad_kv); the key sums beside it are
+// launch_wgmma's, but the normalized forward's, which its kernel carries (KeySums).
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
@@ -81,26 +83,37 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
 // next chunk's copy) where the staging rows were. Measured (RESULTS.md, thirty-third session):
 // there the forward and dq 4-11% faster; float16 there 1-3% slower (its P Cc kept apart from A S
 // until that is scaled back), one atom 1-6% slower, (2, 1) and (1, 2) even.
+// The forward under normalize (KeySums): each group's key sum, 64 floats an atom, after the warps'
+// largest |S|; the producer leaves the scores to the consumers (they need their row sums), and at
+// two atoms on two groups each group stages its outputs over its copy, as with producer_scores
+// (the staging rows would not fit beside the key sums: 226 KB of the 227 without them).
 constexpr int kExchangeBytes = 64 * 64 * 4;
 constexpr int kScoresDepth = 2;
 struct ProductLayout {
   int atoms, groups;
-  bool half;  // float16 (its state copy scaled), not bfloat16
+  bool half;               // float16 (its state copy scaled), not bfloat16
+  bool normalize = false;  // the forward's normalizer (KeySums)
   __host__ __device__ constexpr bool splits_rows() const { return atoms == 4 && groups == 2; }
   __host__ __device__ constexpr int state_atoms() const { return splits_rows() ? 2 : atoms; }  // a group's
   __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
   __host__ __device__ constexpr int slot_tiles() const { return 2 * atoms + cc_tiles(); }    // A, B, Cc
   __host__ __device__ constexpr int copy_tiles() const { return 2 * state_atoms() * groups; }  // two parts
-  __host__ __device__ constexpr bool producer_scores() const { return atoms == 2 && groups == 2 && !half; }
+  __host__ __device__ constexpr bool producer_scores() const { return atoms == 2 && groups == 2 && !half && !normalize; }
   __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
-  __host__ __device__ constexpr int staging_bytes() const {
-    return splits_rows() ? kExchangeBytes : producer_scores() ? 0 : groups * kStagingBytes;
+  // each group's outputs staged over its copy's first tiles (the copy is dead between its A S and
+  // the next chunk's copy), not in staging rows of their own
+  __host__ __device__ constexpr bool stages_over_copy() const {
+    return producer_scores() || (normalize && atoms == 2 && groups == 2);
   }
+  __host__ __device__ constexpr int staging_bytes() const {
+    return splits_rows() ? kExchangeBytes : stages_over_copy() ? 0 : groups * kStagingBytes;
+  }
+  __host__ __device__ constexpr int key_sum_bytes() const { return normalize ? groups * 64 * atoms * 4 : 0; }
   // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
-  // largest |S|
+  // largest |S|, the key sums
   __host__ __device__ constexpr size_t smem_bytes() const {
     return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles() + scores_tiles()) * kTile +
-           staging_bytes() + groups * 4 * sizeof(float);
+           staging_bytes() + groups * 4 * sizeof(float) + key_sum_bytes();
   }
 };
 
@@ -234,6 +247,16 @@ __device__ __forceinline__ uint32_t pack(float lo, float hi) {
   } else {
     const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Two 16-bit values (lo in the low half) as floats: pack's inverse.
+template <bool kHalf>
+__device__ __forceinline__ float2 unpack(uint32_t x) {
+  if constexpr (kHalf) {
+    return __half22float2(*reinterpret_cast<const __half2*>(&x));
+  } else {
+    return make_float2(__uint_as_float(x << 16), __uint_as_float(x & 0xffff0000u));
   }
 }
 
@@ -679,16 +702,19 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 // its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
 // diagonal compare columns with rows (the others are kept or zero whole): with the rank a
 // variable, each of the 32 scores took its own compare and select every chunk.
+// Whether the mask keeps score[4 j + e] of this lane (row 16 kWarpRank + g + 8 (e / 2), column 8 j
+// + 2 q4 + e % 2).
+template <bool kReverse, int kWarpRank>
+__device__ __forceinline__ bool kept_by_mask(int j, int e) {
+  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
+  if (j != row_block) return kReverse ? j > row_block : j < row_block;
+  const int column = 2 * q4 + e % 2;
+  return kReverse ? column >= g : column <= g;
+}
 template <bool kHalf, bool kReverse, int kWarpRank>
 __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
-  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-  // score[4 j + e]: row 16 kWarpRank + g + 8 (e / 2), column 8 j + 2 q4 + e % 2
-  auto kept = [&](int j, int e) {
-    const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
-    if (j != row_block) return kReverse ? j > row_block : j < row_block;
-    const int column = 2 * q4 + e % 2;
-    return kReverse ? column >= g : column <= g;
-  };
+  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank>(j, e); };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -706,6 +732,32 @@ __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const floa
     case 1: masked_fragments_of<kHalf, kReverse, 1>(a, score); break;
     case 2: masked_fragments_of<kHalf, kReverse, 2>(a, score); break;
     default: masked_fragments_of<kHalf, kReverse, 3>(a, score); break;
+  }
+}
+// The row sums of the masked scores (float32, before P is rounded to 16 bits) of this lane's two
+// rows (16 warp + g, + 8), added across the quad.
+template <bool kReverse, int kWarpRank>
+__device__ __forceinline__ void masked_row_sums_of(float (&sums)[2], const float (&score)[32]) {
+  sums[0] = sums[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (kept_by_mask<kReverse, kWarpRank>(j, e)) sums[e / 2] += score[4 * j + e];
+    }
+}
+template <bool kReverse>
+__device__ __forceinline__ void masked_row_sums(float (&sums)[2], const float (&score)[32]) {
+  switch (group_warp()) {
+    case 0: masked_row_sums_of<kReverse, 0>(sums, score); break;
+    case 1: masked_row_sums_of<kReverse, 1>(sums, score); break;
+    case 2: masked_row_sums_of<kReverse, 2>(sums, score); break;
+    default: masked_row_sums_of<kReverse, 3>(sums, score); break;
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 1);
+    sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 2);
   }
 }
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
@@ -745,27 +797,20 @@ __device__ __forceinline__ void tile_times(float (&d)[32], uint32_t p_tile, uint
 // An accumulator times factor, rounded into this warp's 16 staging rows (kOutStride elements
 // apart), then written out 16 bytes a lane: rows r < n, columns < width of out (rows out_l
 // apart).
-template <bool kHalf, typename scalar_t>
-__device__ __forceinline__ void store_rows(const float (&acc)[32], float factor, uint16_t* staging, scalar_t* out,
-                                           int64_t out_l, int n, int64_t width) {
+// times(h, x): entry x of the lane's row g + 8 h, finished.
+template <bool kHalf, typename scalar_t, typename Times>
+__device__ __forceinline__ void store_rows_times(const float (&acc)[32], Times&& times, uint16_t* staging,
+                                                 scalar_t* out, int64_t out_l, int n, int64_t width) {
   const int warp = group_warp(), lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
   __syncwarp();  // the warp's reads of its rows' previous contents are done
-  auto stage = [&](auto times) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
-        *reinterpret_cast<uint32_t*>(staging + row * kOutStride + column) =
-            pack<kHalf>(times(acc[4 * j + 2 * h]), times(acc[4 * j + 2 * h + 1]));
-      }
-  };
-  // factor 1 (every pass's default scale) without its 32 multiplies
-  if (factor == 1.f) {
-    stage([](float x) { return x; });
-  } else {
-    stage([factor](float x) { return x * factor; });
-  }
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * warp + g + 8 * h, column = 8 * j + 2 * q4;
+      *reinterpret_cast<uint32_t*>(staging + row * kOutStride + column) =
+          pack<kHalf>(times(h, acc[4 * j + 2 * h]), times(h, acc[4 * j + 2 * h + 1]));
+    }
   __syncwarp();
   auto write = [&](auto inside) {
 #pragma unroll
@@ -784,6 +829,129 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], float factor,
     write([n, width](int row, int column) { return row < n && column < width; });
   }
 }
+template <bool kHalf, typename scalar_t>
+__device__ __forceinline__ void store_rows(const float (&acc)[32], float factor, uint16_t* staging, scalar_t* out,
+                                           int64_t out_l, int n, int64_t width) {
+  // factor 1 (every pass's default scale) without its 32 multiplies
+  if (factor == 1.f) {
+    store_rows_times<kHalf>(acc, [](int, float x) { return x; }, staging, out, out_l, n, width);
+  } else {
+    store_rows_times<kHalf>(acc, [factor](int, float x) { return x * factor; }, staging, out, out_l, n, width);
+  }
+}
+// The same with a factor a row: factors[h] for the lane's row g + 8 h (the normalizer's).
+template <bool kHalf, typename scalar_t>
+__device__ __forceinline__ void store_rows(const float (&acc)[32], const float (&factors)[2], uint16_t* staging,
+                                           scalar_t* out, int64_t out_l, int n, int64_t width) {
+  store_rows_times<kHalf>(acc, [&factors](int h, float x) { return x * factors[h]; }, staging, out, out_l, n, width);
+}
+
+// The forward's normalizer (wgmma_product_kernel's kNormalize): den[t] = eps + scale (the row sum
+// of the chunk's masked float32 scores + q[t] . z), z the key sum entering the chunk (the
+// segment's start, SegmentStart::key_sum, then += each chunk's column sums of k), and each output
+// row times scale / den[t] (the mma.sync kernel's terms, tensorcore_product.cuh, with q unscaled
+// on the tensor cores). z is float32 in shared memory, one copy a warpgroup ([64 kAtoms]). Warp w
+// owns columns 64 a + 16 w .. + 15 of each atom a: lane l sums columns 16 w + 2 (l % 8) (+1) over
+// rows 8 i + 2 (l / 8) (+1) of the staged chunk (each 32-bit load of the warp reads eight
+// different 16-byte groups of the swizzled rows: no bank conflicts), the four row phases are added
+// by two shuffles, and lanes 0-7 (owners) keep, add and write out those columns of z. Every warp
+// reads all of z (q . z) between the chunk's arrival and its group's barrier after the state's
+// copy; the owners add the chunk's sums after that barrier, and the ring's next wait (every
+// consumer's) orders their adds before the next chunk's reads.
+template <bool kHalf, int kAtoms>
+struct KeySums {
+  float* z;  // this group's, [64 kAtoms], shared
+
+  __device__ bool owner() const { return threadIdx.x % kWarp < 8; }
+  __device__ int column(int a, int e) const { return 64 * a + 16 * group_warp() + 2 * int(threadIdx.x % 8) + e; }
+  // An owner's columns of z set from `value(column)` (others: nothing).
+  template <typename Value>
+  __device__ void set(Value&& value) const {
+    if (!owner()) return;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) z[column(a, e)] = value(column(a, e));
+  }
+  // This lane's columns of b summed over the staged chunk at b_tile (kAtoms atoms), the row phases
+  // added: an owner's sums.
+  __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile) const {
+    const int lane = threadIdx.x % kWarp, phase = lane / 8, pair = lane % 8;
+    const int group16 = 2 * group_warp() + pair / 4;  // the 16-byte group of columns 16 w + 2 pair (+1)
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a) {
+      float lo = 0.f, hi = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int row = 8 * i + 2 * phase + u;
+          uint32_t x;
+          asm volatile("ld.shared.u32 %0, [%1];\n"
+                       : "=r"(x)
+                       : "r"(b_tile + a * kTile + row * 128 + ((group16 ^ (row % 8)) * 16) + 4 * (pair % 4))
+                       : "memory");
+          const float2 f = unpack<kHalf>(x);
+          lo += f.x, hi += f.y;
+        }
+#pragma unroll
+      for (int offset = 8; offset < kWarp; offset *= 2) {
+        lo += __shfl_xor_sync(0xffffffffu, lo, offset);
+        hi += __shfl_xor_sync(0xffffffffu, hi, offset);
+      }
+      sums[a][0] = lo, sums[a][1] = hi;
+    }
+  }
+  // An owner's columns of z below Da to `to` (the key sum's end).
+  __device__ void store(float* to, int64_t Da) const {
+    if (!owner()) return;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (column(a, e) < Da) to[column(a, e)] = z[column(a, e)];
+      }
+  }
+  // z += an owner's chunk sums.
+  __device__ void add(const float (&sums)[kAtoms][2]) const {
+    if (!owner()) return;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) z[column(a, e)] += sums[a][e];
+  }
+  // q[row] . z for this lane's two rows (16 warp + g, + 8) of the staged A tile at a_tile: lane q4
+  // of the quad takes column groups 2 q4 and 2 q4 + 1 of each atom, added across the quad.
+  __device__ void row_dots(float (&dots)[2], uint32_t a_tile) const {
+    const int lane = threadIdx.x % kWarp, g = lane / 4, q4 = lane % 4;
+    dots[0] = dots[1] = 0.f;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int group16 = 2 * q4 + c;
+        const float4 z0 = *reinterpret_cast<const float4*>(z + 64 * a + 8 * group16);
+        const float4 z1 = *reinterpret_cast<const float4*>(z + 64 * a + 8 * group16 + 4);
+        const float zs[8] = {z0.x, z0.y, z0.z, z0.w, z1.x, z1.y, z1.z, z1.w};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * group_warp() + g + 8 * h;  // (row % 8 = g)
+          const uint4 x = tensorcore::load_shared_16(a_tile + a * kTile + row * 128 + ((group16 ^ g) * 16));
+          const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            const float2 f = unpack<kHalf>(words[w]);
+            dots[h] += f.x * zs[2 * w] + f.y * zs[2 * w + 1];
+          }
+        }
+      }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      dots[h] += __shfl_xor_sync(0xffffffffu, dots[h], 1);
+      dots[h] += __shfl_xor_sync(0xffffffffu, dots[h], 2);
+    }
+  }
+};
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace wgmma
@@ -829,7 +997,7 @@ namespace wgmma {
 // shared memory each), one otherwise
 __host__ __device__ constexpr int product_blocks_per_sm(int atoms, int groups) { return atoms == 1 && groups == 1 ? 2 : 1; }
 }  // namespace wgmma
-template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false>
+template <Pass P, typename scalar_t, int kAtoms, int kGroups, bool kOneLaunch = false, bool kNormalize = false>
 __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::product_blocks_per_sm(kAtoms, kGroups))
     wgmma_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -840,7 +1008,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
-  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf};
+  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize};
+  // the forward's normalizer (KeySums): up to two atoms, each group's copy beside its scores
+  static_assert(!kNormalize || (P == Pass::Forward && !kOneLaunch && kAtoms <= 2), "normalize: the forward, Da <= 128");
   constexpr bool kSplitRows = kLayout.splits_rows();
   constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
   constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
@@ -863,15 +1033,16 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   const int group = kGroups == 1 ? 0 : warpgroup();
   // kSplitRows: warp w's part of the exchange is 4 KB at 4096 w, its 16 staging rows (kOutStride
   // elements apart, from row 16 w on) inside it
-  // (kProducerScores: the staging rows over the group's copy)
+  // (stages_over_copy: the staging rows over the group's copy)
   const int copy_tile = kCopyAt + 2 * kStateAtoms * group;  // this group's state copy
   unsigned char* const staging_at = wgmma_smem + kStagingAt * kTile;
   uint16_t* staging = reinterpret_cast<uint16_t*>(
-      kProducerScores ? wgmma_smem + copy_tile * kTile
+      kLayout.stages_over_copy() ? wgmma_smem + copy_tile * kTile
                       : staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp()
                                                  : group * kStagingBytes));
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
   StateCopy<kHalf, kStateAtoms> copy{base + uint32_t(copy_tile) * kTile, warp_max + 4 * group};
+  const KeySums<kHalf, kAtoms> keys{warp_max + 4 * kGroups + 64 * kAtoms * group};  // (kNormalize)
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -996,12 +1167,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   float state[kStateAtoms][32];
   // S += B^T Cc over the segment's chunks, the ring's first (a state-only block's whole walk, or
   // one launch's summing walk)
+  // (kNormalize: z += the chunks' sums of k as well, read by no other warp here)
   auto sum_own_chunks = [&] {
     for (int64_t j = 0; j < chunks; ++j, ring.advance()) {
       ring.wait();
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));
       commit();
+      if constexpr (kNormalize) {
+        float sums[kAtoms][2];
+        keys.chunk_sums(sums, tile_of(ring.slot, kAtoms));
+        keys.add(sums);
+      }
       wait<0>();
       release(j);
     }
@@ -1037,6 +1214,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
     }
   }
+  if constexpr (kNormalize) {  // z from the segment's start (zeros in state-only blocks), seen after the ring's first wait
+    const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
+    keys.set([&](int column) { return !state_only && column < Da ? start.key_sum(column) : 0.f; });
+  }
 
   // Each output times the pass's constant factor (see the file's comment).
   const float factor = float(p.scale);
@@ -1061,8 +1242,28 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     } else {
       copy.publish_first(state, group_sync);
     }
+    // kNormalize: q . z of the lane's two rows (KeySums::row_dots), and the outputs' factors a row
+    float key_dots[2], row_factors[2];
+    static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores && !kSplitRows), "the normalizer's place");
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
+      // kNormalize, once the scores are in: den = eps + scale (the masked row sum + q . z), kept
+      // for the backward (by the first group of column tile 0), and the rows' factors scale / den
+      auto normalizer = [&](const float (&score)[32]) {
+        float sums[2];
+        masked_row_sums<kReverse>(sums, score);
+        const int64_t t0 = chunk_begin(it);
+        const int n = work.chunk_len(t0, C);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
+          const float den = float(p.eps) + factor * (sums[h] + key_dots[h]);
+          row_factors[h] = factor * __frcp_rn(den);
+          if (group == 0 && work.col_tile == 0 && threadIdx.x % 4 == 0 && row < n) {
+            static_cast<float*>(p.den)[work.den_row + t0 + row] = den;
+          }
+        }
+      };
       if constexpr (!kCopyBesideScores) fence_shared_writes();  // the copy made at the end of the chunk before
       ring.wait();  // chunk it staged (and that copy seen)
       const uint32_t at = tile_of(ring.slot, 0) + my_atoms, bt = tile_of(ring.slot, kAtoms) + my_atoms,
@@ -1088,11 +1289,17 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         fence();
         scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
         commit();
+        float key_chunk[kAtoms][2];  // (kNormalize) this chunk's sums of k: z's next update
+        if constexpr (kNormalize) {  // while the scores run
+          keys.row_dots(key_dots, at);
+          keys.chunk_sums(key_chunk, bt);
+        }
         if constexpr (kCopyBesideScores) {
           copy.publish(state);
           fence_shared_writes();
           group_sync();  // the copy seen by every warp's wgmma
         }
+        if constexpr (kNormalize) keys.add(key_chunk);  // (every warp's q . z has read z)
         if constexpr (kStateAtoms == 4) {
           // The state's 128 registers leave no room for the scores, A S and P at once (that order
           // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
@@ -1119,12 +1326,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           commit();
           if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
             wait<1>();  // the scores; A S may still run
+            if constexpr (kNormalize) normalizer(score);
             add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
           }
           add_bt_times_c<kHalf>(state, bt, ct);
           commit();
           wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
           if constexpr (!kStateBehindOutputs) {
+            if constexpr (kNormalize) normalizer(score);
             copy.scale_back(out);  // (back to S's scale before P Cc)
             add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
           }
@@ -1158,8 +1367,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         }
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
-        if constexpr (kProducerScores) group_sync();
-        store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+        if constexpr (kLayout.stages_over_copy()) group_sync();
+        if constexpr (kNormalize) {
+          store_rows<kHalf>(out, row_factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+        } else {
+          store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+        }
       }
       if constexpr (kStateBehindOutputs) {
         wait<0>();  // the state's update, before its next copy
@@ -1171,9 +1384,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       }
     }
   }
-  float* end = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
+  const SegmentEnd<float> end(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
-  for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end, Da, Dc, row0 + 64 * a, m0);
+  for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
+  if constexpr (kNormalize) {  // the key sum's end (the owners' columns of z, their own writes)
+    if (end.key_sum != nullptr && group == 0 && work.col_tile == 0) keys.store(end.key_sum, Da);
+  }
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
