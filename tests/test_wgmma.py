@@ -866,11 +866,11 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
                                    (1, 3, 333, 128, 40), (1, 2, 100, 16, 8)], ids=shape_id)
 def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale, state, dtype, monkeypatch):
     """normalize=True with the forward on the wgmma kernels where the build has them (the key sum
-    entering each chunk, den from the masked float32 scores' row sums and q . z, each output row
-    times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den and kept segment
-    starts read by the mma.sync backward: in 1 or 3 time segments (the key sums' state-only sums
-    and scan), one atom or two, one warpgroup or two, partial chunks, E != M, both layouts, scale
-    1 and 0.7, from zeros or a given state with the final state out. The final state (float32 sums
+    entering each chunk, den from the row sums of the masked scores as rounded for P Cc and q . z,
+    each output row times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den
+    and kept segment starts read by the mma.sync backward: in 1 or 3 time segments (the key sums'
+    state-only sums and scan), one atom or two, one warpgroup or two, partial chunks, E != M, both
+    layouts, scale 1 and 0.7, from zeros or a given state with the final state out. The final state (float32 sums
     of inputs read exactly) within 1e-5; the output and every gradient within twice plain
     PyTorch's error in the dtype (at least ERROR_FLOOR): the initial state's gradients too, which
     the normalized backward makes from the 16-bit output read back (dO . O) and q / den rounded to

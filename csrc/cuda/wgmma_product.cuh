@@ -702,19 +702,16 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 // its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
 // diagonal compare columns with rows (the others are kept or zero whole): with the rank a
 // variable, each of the 32 scores took its own compare and select every chunk.
-// Whether the mask keeps score[4 j + e] of this lane (row 16 kWarpRank + g + 8 (e / 2), column 8 j
-// + 2 q4 + e % 2).
-template <bool kReverse, int kWarpRank>
-__device__ __forceinline__ bool kept_by_mask(int j, int e) {
-  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-  const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
-  if (j != row_block) return kReverse ? j > row_block : j < row_block;
-  const int column = 2 * q4 + e % 2;
-  return kReverse ? column >= g : column <= g;
-}
 template <bool kHalf, bool kReverse, int kWarpRank>
 __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
-  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank>(j, e); };
+  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  // score[4 j + e]: row 16 kWarpRank + g + 8 (e / 2), column 8 j + 2 q4 + e % 2
+  auto kept = [&](int j, int e) {
+    const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
+    if (j != row_block) return kReverse ? j > row_block : j < row_block;
+    const int column = 2 * q4 + e % 2;
+    return kReverse ? column >= g : column <= g;
+  };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -734,26 +731,21 @@ __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const floa
     default: masked_fragments_of<kHalf, kReverse, 3>(a, score); break;
   }
 }
-// The row sums of the masked scores (float32, before P is rounded to 16 bits) of this lane's two
-// rows (16 warp + g, + 8), added across the quad.
-template <bool kReverse, int kWarpRank>
-__device__ __forceinline__ void masked_row_sums_of(float (&sums)[2], const float (&score)[32]) {
+// The row sums of P (masked_fragments: the masked scores as rounded to 16 bits, the values P Cc
+// multiplies) of this lane's two rows (16 warp + g, + 8), added across the quad: fragment register
+// r holds row g + 8 (r % 2). (A normalizer from the float32 scores instead weighed each output's
+// rounded terms against sums of unrounded ones: bf16 L = 2 out 4.6e-3 from float64, over the
+// 2^-8 floor; RESULTS.md, fifty-second session.)
+template <bool kHalf>
+__device__ __forceinline__ void fragment_row_sums(float (&sums)[2], const uint32_t (&a)[4][4]) {
   sums[0] = sums[1] = 0.f;
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int s = 0; s < 4; ++s)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (kept_by_mask<kReverse, kWarpRank>(j, e)) sums[e / 2] += score[4 * j + e];
+    for (int r = 0; r < 4; ++r) {
+      const float2 x = unpack<kHalf>(a[s][r]);
+      sums[r % 2] += x.x + x.y;
     }
-}
-template <bool kReverse>
-__device__ __forceinline__ void masked_row_sums(float (&sums)[2], const float (&score)[32]) {
-  switch (group_warp()) {
-    case 0: masked_row_sums_of<kReverse, 0>(sums, score); break;
-    case 1: masked_row_sums_of<kReverse, 1>(sums, score); break;
-    case 2: masked_row_sums_of<kReverse, 2>(sums, score); break;
-    default: masked_row_sums_of<kReverse, 3>(sums, score); break;
-  }
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 1);
@@ -847,7 +839,7 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], const float (
 }
 
 // The forward's normalizer (wgmma_product_kernel's kNormalize): den[t] = eps + scale (the row sum
-// of the chunk's masked float32 scores + q[t] . z), z the key sum entering the chunk (the
+// of the chunk's masked scores P as P Cc takes them + q[t] . z), z the key sum entering the chunk (the
 // segment's start, SegmentStart::key_sum, then += each chunk's column sums of k), and each output
 // row times scale / den[t] (the mma.sync kernel's terms, tensorcore_product.cuh, with q unscaled
 // on the tensor cores). z is float32 in shared memory, one copy a warpgroup ([64 kAtoms]). Warp w
@@ -1247,11 +1239,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores && !kSplitRows), "the normalizer's place");
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
-      // kNormalize, once the scores are in: den = eps + scale (the masked row sum + q . z), kept
+      // kNormalize, from P's fragments: den = eps + scale (P's row sum + q . z), kept
       // for the backward (by the first group of column tile 0), and the rows' factors scale / den
-      auto normalizer = [&](const float (&score)[32]) {
+      auto normalizer = [&](const uint32_t (&masked)[4][4]) {
         float sums[2];
-        masked_row_sums<kReverse>(sums, score);
+        fragment_row_sums<kHalf>(sums, masked);
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
 #pragma unroll
@@ -1262,6 +1254,20 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           if (group == 0 && work.col_tile == 0 && threadIdx.x % 4 == 0 && row < n) {
             static_cast<float*>(p.den)[work.den_row + t0 + row] = den;
           }
+        }
+      };
+      // out += mask(score) Cc in one committed group (add_masked_times), kNormalize's normalizer
+      // taken from the masked fragments on the way
+      auto add_masked = [&](float (&to)[32], const float (&score)[32], uint32_t c_tile) {
+        if constexpr (kNormalize) {
+          uint32_t masked[4][4];
+          masked_fragments<kHalf, kReverse>(masked, score);
+          normalizer(masked);
+          fence();
+          add_fragments_times<kHalf>(to, masked, c_tile);
+          commit();
+        } else {
+          add_masked_times<kHalf, kReverse>(to, score, c_tile);
         }
       };
       if constexpr (!kCopyBesideScores) fence_shared_writes();  // the copy made at the end of the chunk before
@@ -1326,16 +1332,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           commit();
           if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
             wait<1>();  // the scores; A S may still run
-            if constexpr (kNormalize) normalizer(score);
-            add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc (its fence before the update too)
+            add_masked(out, score, ct);  // out += P Cc (its fence before the update too)
           }
           add_bt_times_c<kHalf>(state, bt, ct);
           commit();
           wait<1>();  // the scores and A S (P Cc too, behind A S); the state's update may still run
           if constexpr (!kStateBehindOutputs) {
-            if constexpr (kNormalize) normalizer(score);
             copy.scale_back(out);  // (back to S's scale before P Cc)
-            add_masked_times<kHalf, kReverse>(out, score, ct);  // out += P Cc
+            add_masked(out, score, ct);  // out += P Cc
           }
         }
       }
