@@ -731,25 +731,49 @@ __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const floa
     default: masked_fragments_of<kHalf, kReverse, 3>(a, score); break;
   }
 }
-// The row sums of P (masked_fragments: the masked scores as rounded to 16 bits, the values P Cc
-// multiplies) of this lane's two rows (16 warp + g, + 8), added across the quad: fragment register
-// r holds row g + 8 (r % 2). (A normalizer from the float32 scores instead weighed each output's
-// rounded terms against sums of unrounded ones: bf16 L = 2 out 4.6e-3 from float64, over the
-// 2^-8 floor; RESULTS.md, fifty-second session.)
-template <bool kHalf>
-__device__ __forceinline__ void fragment_row_sums(float (&sums)[2], const uint32_t (&a)[4][4]) {
-  sums[0] = sums[1] = 0.f;
+// The normalizer's row sums of this lane's two rows (16 warp + g, + 8), each added across the
+// quad: of the masked float32 scores (exact: the den the backward reads), and of P as rounded to
+// 16 bits (masked_fragments: the values P Cc multiplies; fragment register r holds row g + 8 (r %
+// 2)), which the outputs are divided by, so that each output weighs its rounded terms against their
+// own sum. (One den from the float32 scores for both: bf16 L = 2 out 4.6e-3 from float64, over the
+// 2^-8 floor; one from P for both: grad v 5.3e-3 there. RESULTS.md, fifty-second session.)
+template <bool kHalf, bool kReverse, int kWarpRank>
+__device__ __forceinline__ void normalizer_sums_of(float (&exact)[2], float (&rounded)[2], const float (&score)[32],
+                                                   const uint32_t (&a)[4][4]) {
+  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  exact[0] = exact[1] = rounded[0] = rounded[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {  // masked_fragments_of's test
+      const int row_block = 2 * kWarpRank + e / 2, column = 2 * q4 + e % 2;
+      const bool kept = j != row_block ? (kReverse ? j > row_block : j < row_block)
+                                       : (kReverse ? column >= g : column <= g);
+      if (kept) exact[e / 2] += score[4 * j + e];
+    }
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const float2 x = unpack<kHalf>(a[s][r]);
-      sums[r % 2] += x.x + x.y;
+      rounded[r % 2] += x.x + x.y;
     }
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 1);
-    sums[h] += __shfl_xor_sync(0xffffffffu, sums[h], 2);
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2) {
+      exact[h] += __shfl_xor_sync(0xffffffffu, exact[h], offset);
+      rounded[h] += __shfl_xor_sync(0xffffffffu, rounded[h], offset);
+    }
+}
+template <bool kHalf, bool kReverse>
+__device__ __forceinline__ void normalizer_sums(float (&exact)[2], float (&rounded)[2], const float (&score)[32],
+                                                const uint32_t (&a)[4][4]) {
+  switch (group_warp()) {
+    case 0: normalizer_sums_of<kHalf, kReverse, 0>(exact, rounded, score, a); break;
+    case 1: normalizer_sums_of<kHalf, kReverse, 1>(exact, rounded, score, a); break;
+    case 2: normalizer_sums_of<kHalf, kReverse, 2>(exact, rounded, score, a); break;
+    default: normalizer_sums_of<kHalf, kReverse, 3>(exact, rounded, score, a); break;
   }
 }
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
@@ -839,10 +863,10 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], const float (
 }
 
 // The forward's normalizer (wgmma_product_kernel's kNormalize): den[t] = eps + scale (the row sum
-// of the chunk's masked scores P as P Cc takes them + q[t] . z), z the key sum entering the chunk (the
-// segment's start, SegmentStart::key_sum, then += each chunk's column sums of k), and each output
-// row times scale / den[t] (the mma.sync kernel's terms, tensorcore_product.cuh, with q unscaled
-// on the tensor cores). z is float32 in shared memory, one copy a warpgroup ([64 kAtoms]). Warp w
+// of the chunk's masked scores + q[t] . z), z the key sum entering the chunk (the segment's start,
+// SegmentStart::key_sum, then += each chunk's column sums of k), and each output row times scale /
+// den[t] (the mma.sync kernel's terms, tensorcore_product.cuh, with q unscaled on the tensor
+// cores; the outputs' den from the row sums of P as rounded, normalizer_sums). z is float32 in shared memory, one copy a warpgroup ([64 kAtoms]). Warp w
 // owns columns 64 a + 16 w .. + 15 of each atom a: lane l sums columns 16 w + 2 (l % 8) (+1) over
 // rows 8 i + 2 (l / 8) (+1) of the staged chunk (each 32-bit load of the warp reads eight
 // different 16-byte groups of the swizzled rows: no bank conflicts), the four row phases are added
@@ -1239,20 +1263,20 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores && !kSplitRows), "the normalizer's place");
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
-      // kNormalize, from P's fragments: den = eps + scale (P's row sum + q . z), kept
-      // for the backward (by the first group of column tile 0), and the rows' factors scale / den
-      auto normalizer = [&](const uint32_t (&masked)[4][4]) {
-        float sums[2];
-        fragment_row_sums<kHalf>(sums, masked);
+      // kNormalize: den = eps + scale (the row sum of the masked float32 scores + q . z), kept for
+      // the backward (by the first group of column tile 0), and the rows' factors scale / (the same
+      // with P's rounded row sum: normalizer_sums)
+      auto normalizer = [&](const float (&score)[32], const uint32_t (&masked)[4][4]) {
+        float exact[2], rounded[2];
+        normalizer_sums<kHalf, kReverse>(exact, rounded, score, masked);
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
-          const float den = float(p.eps) + factor * (sums[h] + key_dots[h]);
-          row_factors[h] = factor * __frcp_rn(den);
+          row_factors[h] = factor * __frcp_rn(float(p.eps) + factor * (rounded[h] + key_dots[h]));
           if (group == 0 && work.col_tile == 0 && threadIdx.x % 4 == 0 && row < n) {
-            static_cast<float*>(p.den)[work.den_row + t0 + row] = den;
+            static_cast<float*>(p.den)[work.den_row + t0 + row] = float(p.eps) + factor * (exact[h] + key_dots[h]);
           }
         }
       };
@@ -1262,7 +1286,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         if constexpr (kNormalize) {
           uint32_t masked[4][4];
           masked_fragments<kHalf, kReverse>(masked, score);
-          normalizer(masked);
+          normalizer(score, masked);
           fence();
           add_fragments_times<kHalf>(to, masked, c_tile);
           commit();
