@@ -751,6 +751,40 @@ def states_step(q, k, v, state0, layout, scale):
     return out, state.kv, state.k_sum
 
 
+STATE_CALL_RESULTS = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
+
+
+def check_state_call(q, k, v, state0, dims, gen, attend, reference, exact_in_float32):
+    """attend(q, k, v, state0) -> (out, final kv, final k_sum) on CUDA, and its gradients into q, k, v
+    and state0 (a list: [kv0, k_sum0] or empty), against reference (the same in float64, or with
+    dtype= in q's dtype: plain PyTorch), with cotangents exact in q's dtype drawn from gen for
+    dims = (B, H, E, M). The results named in exact_in_float32 within 1e-5 (float32 sums of inputs
+    read exactly), the others within twice plain PyTorch's error in the dtype (at least
+    ERROR_FLOOR), both against float64."""
+    B, H, E, M = dims
+    dtype = q.dtype
+    weights = [torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).double()
+               for shape in (v.shape, (B, H, E, M), (B, H, E))]
+
+    def run(call, device):
+        leaves = [x.detach().to(device).requires_grad_() for x in (q, k, v, *state0)]
+        outputs = call(*leaves[:3], leaves[3:])
+        loss = sum((x.double() * w.to(device)).sum() for x, w in zip(outputs, weights))
+        return [x.detach().cpu() for x in (*outputs, *torch.autograd.grad(loss, leaves))]
+
+    got = run(attend, "cuda")
+    exact = run(reference, "cpu")
+    plain = run(lambda *x: reference(*x, dtype=dtype), "cuda")
+    for name, x, ref, p in zip(STATE_CALL_RESULTS, got, exact, plain):
+        if name in exact_in_float32:
+            assert x.dtype == torch.float32, name
+            tolerance = 1e-5
+        else:
+            tolerance = max(2 * relative_error(p, ref), ERROR_FLOOR[dtype])
+        err = relative_error(x, ref)
+        assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"
+
+
 @CUDA
 @SM90
 @EXPECT_WGMMA
@@ -799,29 +833,11 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
     B, H, L, E, M = shape
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, dtype)).encode()))
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, generator=gen)
-    state0 = make_state(B, H, E, M, dtype, False)
-    # cotangents exact in the dtype, so that every computation below gets the same ones
-    w_out, w_kv, w_k_sum = (torch.randn(shape_, generator=gen, dtype=torch.float64).to(dtype).double()
-                            for shape_ in (v.shape, (B, H, E, M), (B, H, E)))
-
-    def run(attend, device):
-        leaves = [x.detach().to(device).requires_grad_() for x in (q, k, v, *state0)]
-        out, kv1, k_sum1 = attend(*leaves)
-        loss = sum((x.double() * w.to(device)).sum() for x, w in ((out, w_out), (kv1, w_kv), (k_sum1, w_k_sum)))
-        return [x.detach().cpu() for x in (out, kv1, k_sum1, *torch.autograd.grad(loss, leaves))]
-
-    got = run(lambda *x: states_step(*x[:3], x[3:], layout, scale), "cuda")
-    exact = run(lambda *x: reference_with_state(*x[:3], x[3:], scale=scale, layout=layout), "cpu")
-    plain = run(lambda *x: reference_with_state(*x[:3], x[3:], scale=scale, layout=layout, dtype=dtype), "cuda")
-    names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
-    for i, (name, x, ref) in enumerate(zip(names, got, exact)):
-        if i in (0, 3, 4, 5):  # in the dtype
-            tolerance = max(2 * relative_error(plain[i], ref), ERROR_FLOOR[dtype])
-        else:  # float32 state
-            assert x.dtype == torch.float32, name
-            tolerance = 1e-5
-        err = relative_error(x, ref)
-        assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"
+    state0 = list(make_state(B, H, E, M, dtype, False))
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s, layout, scale),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s, scale=scale, layout=layout, **kw),
+                     exact_in_float32={"final kv", "final k_sum", "grad kv0", "grad k_sum0"})
 
 
 def normalized_step(q, k, v, state0, layout, scale):
@@ -870,38 +886,17 @@ def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale,
     each output row times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den
     and kept segment starts read by the mma.sync backward: in 1 or 3 time segments (the key sums'
     state-only sums and scan), one atom or two, one warpgroup or two, partial chunks, E != M, both
-    layouts, scale 1 and 0.7, from zeros or a given state with the final state out. The final state (float32 sums
-    of inputs read exactly) within 1e-5; the output and every gradient within twice plain
-    PyTorch's error in the dtype (at least ERROR_FLOOR): the initial state's gradients too, which
-    the normalized backward makes from the 16-bit output read back (dO . O) and q / den rounded to
-    16 bits; all against float64."""
+    layouts, scale 1 and 0.7, from zeros or a given state with the final state out (check_state_call:
+    the final state within 1e-5; the initial state's gradients held to the outputs' tolerance, the
+    normalized backward making them from the 16-bit output read back, dO . O, and from q / den
+    rounded to 16 bits)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = shape
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state, dtype)).encode()))
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, normalize=True, generator=gen)
     state0 = list(make_state(B, H, E, M, dtype, True)) if state == "given" else []
-    w_out, w_kv, w_k_sum = (torch.randn(shape_, generator=gen, dtype=torch.float64).to(dtype).double()
-                            for shape_ in (v.shape, (B, H, E, M), (B, H, E)))
-
-    def run(attend, device):
-        leaves = [x.detach().to(device).requires_grad_() for x in (q, k, v, *state0)]
-        out, kv1, k_sum1 = attend(*leaves)
-        loss = sum((x.double() * w.to(device)).sum() for x, w in ((out, w_out), (kv1, w_kv), (k_sum1, w_k_sum)))
-        return [x.detach().cpu() for x in (out, kv1, k_sum1, *torch.autograd.grad(loss, leaves))]
-
-    def given(x):
-        return x[3:] if state0 else None
-
-    got = run(lambda *x: normalized_step(*x[:3], given(x), layout, scale), "cuda")
-    kwargs = dict(scale=scale, normalize=True, layout=layout)
-    exact = run(lambda *x: reference_with_state(*x[:3], given(x), **kwargs), "cpu")
-    plain = run(lambda *x: reference_with_state(*x[:3], given(x), dtype=dtype, **kwargs), "cuda")
-    names = ["out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0"]
-    for i, (name, x, ref) in enumerate(zip(names, got, exact)):
-        if i in (1, 2):  # the final state
-            assert x.dtype == torch.float32, name
-            tolerance = 1e-5
-        else:
-            tolerance = max(2 * relative_error(plain[i], ref), ERROR_FLOOR[dtype])
-        err = relative_error(x, ref)
-        assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: normalized_step(q, k, v, s or None, layout, scale),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
+                                                                   layout=layout, **kw),
+                     exact_in_float32={"final kv", "final k_sum"})
