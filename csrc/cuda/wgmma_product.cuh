@@ -558,28 +558,22 @@ struct StateCopy {
   }
 };
 
-// f(i, row, column) for each of this thread's accumulator entries d[i] of a 64 x 64 tile at (row0,
-// col0): row row0 + 16 warp + g (+8), column col0 + 8 j + 2 q4 (+1) in d[4 j ..] (the layout of
-// every accumulator here).
-template <typename F>
-__device__ __forceinline__ void for_each_entry(int64_t row0, int64_t col0, F&& f) {
+// A segment's start (SegmentStart: the scanned sums of the segments before it, in time order)
+// into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
+// own sums out (SegmentEnd, state-only blocks). Accumulator layout: row row0 + 16 warp + g (+8),
+// column col0 + 8 j + 2 q4 (+1) in d[4 j ..] (row0: the row block's first, col0: the column
+// tile's); rows below Da, columns below Dc.
+__device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
+                                           int64_t Da, int64_t Dc, bool zero, int64_t row0 = 0, int64_t col0 = 0) {
+  const SegmentStart<float> start(p, pair, segment, Da, Dc);
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) f(4 * j + e, row0 + 16 * warp + g + 8 * (e / 2), col0 + 8 * j + 2 * q4 + e % 2);
-}
-
-// A segment's start (SegmentStart: the scanned sums of the segments before it, in time order)
-// into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
-// own sums out (SegmentEnd, state-only blocks). Accumulator layout for_each_entry's (row0: the
-// row block's first, col0: the column tile's); rows below Da, columns below Dc.
-__device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
-                                           int64_t Da, int64_t Dc, bool zero, int64_t row0 = 0, int64_t col0 = 0) {
-  const SegmentStart<float> start(p, pair, segment, Da, Dc);
-  for_each_entry(row0, col0, [&](int i, int64_t row, int64_t column) {
-    d[i] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
-  });
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+      d[4 * j + e] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
+    }
 }
 // A segment's start in one launch (KernelParams::lookback): the own sums of the `count` segments
 // before it in pass order, [Da, Dc] each, the first at `sums`, the next `step` slots on (1; -1
@@ -589,10 +583,15 @@ __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p
 // round trip each, one after the other, cost about half a microsecond a segment).
 __device__ __forceinline__ void add_segments_before(float (&d)[32], const float* sums, int64_t count, int64_t step,
                                                     int64_t Da, int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
   auto load = [&](float (&to)[32], const float* from) {
-    for_each_entry(row0, col0, [&](int i, int64_t row, int64_t column) {
-      to[i] = row < Da && column < Dc ? __ldcg(from + row * Dc + column) : 0.f;
-    });
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+        to[4 * j + e] = row < Da && column < Dc ? __ldcg(from + row * Dc + column) : 0.f;
+      }
   };
 #pragma unroll
   for (int i = 0; i < 32; ++i) d[i] = 0.f;
@@ -620,18 +619,28 @@ __device__ __forceinline__ void add_given_start(float (&d)[32], const KernelPara
                                                 int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
   if (p.start_state == nullptr) return;
   const float* start = static_cast<const float*>(p.start_state);
-  for_each_entry(row0, col0, [&](int i, int64_t row, int64_t column) {
-    if (row < Da && column < Dc) {
-      d[i] += p.start_transposed ? start[(pair * Dc + column) * Da + row] : start[(pair * Da + row) * Dc + column];
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+      if (row < Da && column < Dc) {
+        d[4 * j + e] += p.start_transposed ? start[(pair * Dc + column) * Da + row] : start[(pair * Da + row) * Dc + column];
+      }
     }
-  });
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
                                           int64_t col0 = 0, bool transposed = false) {
   if (to == nullptr) return;
-  for_each_entry(row0, col0, [&](int i, int64_t row, int64_t column) {
-    if (row < Da && column < Dc) to[transposed ? column * Da + row : row * Dc + column] = d[i];
-  });
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
+      if (row < Da && column < Dc) to[transposed ? column * Da + row : row * Dc + column] = d[4 * j + e];
+    }
 }
 
 // A staged tile of kAtoms 64-column atoms (kTile bytes apart), K along its columns: k16 step s.
