@@ -33,6 +33,8 @@
 #                               # built beside the others: two variants against one base in a call
 #   STAGES="wgmma" ...          # the wgmma forward prototype checked and timed (wgmma_forward.py);
 #                               # WGMMA_PROBE=1 first reruns the layout probe (wgmma_probe.py)
+#   STAGES="ring_race" ...      # racecheck of the stage ring's protocol alone (benchmarks/racecheck_probe.py;
+#                               # needs no build of the extension)
 #   STAGES="rate" ...           # wgmma's multiply-adds a cycle by N, A's source and shared-memory
 #                               # stores beside it (benchmarks/wgmma_rate.py; needs no build)
 #   STAGES="build anatomy" ...  # fla's fused_chunk forward beside our one segment and the wgmma
@@ -299,6 +301,12 @@ fi
 
 if has rate; then  # the wgmma ceiling the chunk kernels' m64n64k16 products meet
   python benchmarks/wgmma_rate.py ${RATE_ARGS:-} 2>&1 | tee "$OUT/wgmma_rate.log"
+fi
+
+if has ring_race; then  # whether racecheck reports the stage ring's protocol itself (benchmarks/racecheck_probe.py)
+  python benchmarks/racecheck_probe.py 2>&1 | tail -6  # built (and its sums checked) outside the sanitizer first
+  compute-sanitizer --tool racecheck python benchmarks/racecheck_probe.py >"$OUT/ring_race.log" 2>&1
+  grep -E "RACECHECK SUMMARY|Race reported|sums" "$OUT/ring_race.log" | sort | uniq -c | head -12
 fi
 
 if has bench; then
