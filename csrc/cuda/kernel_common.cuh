@@ -414,11 +414,13 @@ struct SegmentStart {
       const acc_t* seg = static_cast<const acc_t*>(p.seg_state);
       value = p.seg_from_forward ? seg[(slot * Dc + col) * Da + row] : seg[(slot * Da + row) * Dc + col];
     }
-    if (p.start_state != nullptr) {
-      const acc_t* start = static_cast<const acc_t*>(p.start_state);
-      value += p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
-    }
+    if (p.start_state != nullptr) value += given(row, col);
     return value;
+  }
+  // The given start's entry (KernelParams::start_state, not null), without the segments' sums.
+  __device__ acc_t given(int64_t row, int64_t col) const {
+    const acc_t* start = static_cast<const acc_t*>(p.start_state);
+    return p.start_transposed ? start[(pair * Dc + col) * Da + row] : start[(pair * Da + row) * Dc + col];
   }
   __device__ acc_t key_sum(int64_t row) const {  // forward
     acc_t value = p.segments > 1 ? static_cast<const acc_t*>(p.seg_key_sum)[slot * Da + row] : acc_t(0);

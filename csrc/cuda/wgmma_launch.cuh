@@ -8,7 +8,6 @@
 #include <cstring>
 
 #include <ATen/ops/from_blob.h>
-#include <ATen/ops/sum.h>
 #include <c10/cuda/CUDAFunctions.h>
 
 #include "wgmma_product.cuh"
@@ -270,8 +269,9 @@ bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, cudaStream_t 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
-// and a plan's count (dry_run) without launching. The kernels carry the state alone (a start, an
-// end: SegmentStart, SegmentEnd), not the key sums (launch_wgmma).
+// and a plan's count (dry_run) without launching. The kernels carry the state (a start, an end:
+// SegmentStart, SegmentEnd), and the key sums only under normalize (the forward's KeySums; else
+// launch_wgmma's).
 template <Pass P, typename scalar_t>
 ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   using wgmma::C;
@@ -508,8 +508,8 @@ void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
   }
 }
 
-// The key sums beside a state, which the wgmma kernels do not carry (they take no normalize, where
-// the key sums meet q: wgmma_takes), on the current stream after the pass: the forward's final key
+// The key sums beside a state, which the wgmma kernels carry only under normalize (where they meet
+// q: the forward's KeySums), on the current stream after the pass: the forward's final key
 // sum, the initial one plus the sum of k over time, in float32 (launch_key_sum: k read a second
 // time, a quarter of the forward's floor where E = M); and the gradient of k's constant row (the
 // final key sum's gradient, out_bias) added to every row of dk (dk read and written once more;

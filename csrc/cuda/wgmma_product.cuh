@@ -98,7 +98,9 @@ struct ProductLayout {
   __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
   __host__ __device__ constexpr int slot_tiles() const { return 2 * atoms + cc_tiles(); }    // A, B, Cc
   __host__ __device__ constexpr int copy_tiles() const { return 2 * state_atoms() * groups; }  // two parts
-  __host__ __device__ constexpr bool producer_scores() const { return atoms == 2 && groups == 2 && !half && !normalize; }
+  __host__ __device__ constexpr bool producer_scores() const {
+    return atoms == 2 && groups == 2 && !half && !normalize;
+  }
   __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
   // each group's outputs staged over its copy's first tiles (the copy is dead between its A S and
   // the next chunk's copy), not in staging rows of their own
@@ -618,16 +620,14 @@ __device__ __forceinline__ void add_segments_before(float (&d)[32], const float*
 __device__ __forceinline__ void add_given_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t Da,
                                                 int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
   if (p.start_state == nullptr) return;
-  const float* start = static_cast<const float*>(p.start_state);
+  const SegmentStart<float> start(p, pair, 0, Da, Dc);
   const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
-      if (row < Da && column < Dc) {
-        d[4 * j + e] += p.start_transposed ? start[(pair * Dc + column) * Da + row] : start[(pair * Da + row) * Dc + column];
-      }
+      if (row < Da && column < Dc) d[4 * j + e] += start.given(row, column);
     }
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
@@ -702,16 +702,30 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 // its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
 // diagonal compare columns with rows (the others are kept or zero whole): with the rank a
 // variable, each of the 32 scores took its own compare and select every chunk.
+// Whether the mask keeps this lane's score[4 j + e] (row 16 kWarpRank + g + 8 (e / 2), column
+// 8 j + 2 q4 + e % 2).
+template <bool kReverse, int kWarpRank>
+__device__ __forceinline__ bool kept_by_mask(int j, int e) {
+  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
+  if (j != row_block) return kReverse ? j > row_block : j < row_block;
+  const int column = 2 * q4 + e % 2;
+  return kReverse ? column >= g : column <= g;
+}
+// f(rank) with this thread's warp rank in its warpgroup as a constant (std::integral_constant):
+// one branch a warp, each taking its own instance.
+template <typename F>
+__device__ __forceinline__ void with_warp_rank(F&& f) {
+  switch (group_warp()) {
+    case 0: f(std::integral_constant<int, 0>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    default: f(std::integral_constant<int, 3>{}); break;
+  }
+}
 template <bool kHalf, bool kReverse, int kWarpRank>
 __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
-  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-  // score[4 j + e]: row 16 kWarpRank + g + 8 (e / 2), column 8 j + 2 q4 + e % 2
-  auto kept = [&](int j, int e) {
-    const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
-    if (j != row_block) return kReverse ? j > row_block : j < row_block;
-    const int column = 2 * q4 + e % 2;
-    return kReverse ? column >= g : column <= g;
-  };
+  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank>(j, e); };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -724,12 +738,7 @@ __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const f
 }
 template <bool kHalf, bool kReverse>
 __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
-  switch (group_warp()) {
-    case 0: masked_fragments_of<kHalf, kReverse, 0>(a, score); break;
-    case 1: masked_fragments_of<kHalf, kReverse, 1>(a, score); break;
-    case 2: masked_fragments_of<kHalf, kReverse, 2>(a, score); break;
-    default: masked_fragments_of<kHalf, kReverse, 3>(a, score); break;
-  }
+  with_warp_rank([&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value>(a, score); });
 }
 // The normalizer's row sums of this lane's two rows (16 warp + g, + 8), each added across the
 // quad: of the masked float32 scores (exact: the den the backward reads), and of P as rounded to
@@ -740,16 +749,12 @@ __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const floa
 template <bool kHalf, bool kReverse, int kWarpRank>
 __device__ __forceinline__ void normalizer_sums_of(float (&exact)[2], float (&rounded)[2], const float (&score)[32],
                                                    const uint32_t (&a)[4][4]) {
-  const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
   exact[0] = exact[1] = rounded[0] = rounded[1] = 0.f;
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {  // masked_fragments_of's test
-      const int row_block = 2 * kWarpRank + e / 2, column = 2 * q4 + e % 2;
-      const bool kept = j != row_block ? (kReverse ? j > row_block : j < row_block)
-                                       : (kReverse ? column >= g : column <= g);
-      if (kept) exact[e / 2] += score[4 * j + e];
+    for (int e = 0; e < 4; ++e) {
+      if (kept_by_mask<kReverse, kWarpRank>(j, e)) exact[e / 2] += score[4 * j + e];
     }
 #pragma unroll
   for (int s = 0; s < 4; ++s)
@@ -769,12 +774,8 @@ __device__ __forceinline__ void normalizer_sums_of(float (&exact)[2], float (&ro
 template <bool kHalf, bool kReverse>
 __device__ __forceinline__ void normalizer_sums(float (&exact)[2], float (&rounded)[2], const float (&score)[32],
                                                 const uint32_t (&a)[4][4]) {
-  switch (group_warp()) {
-    case 0: normalizer_sums_of<kHalf, kReverse, 0>(exact, rounded, score, a); break;
-    case 1: normalizer_sums_of<kHalf, kReverse, 1>(exact, rounded, score, a); break;
-    case 2: normalizer_sums_of<kHalf, kReverse, 2>(exact, rounded, score, a); break;
-    default: normalizer_sums_of<kHalf, kReverse, 3>(exact, rounded, score, a); break;
-  }
+  with_warp_rank(
+      [&](auto rank) { normalizer_sums_of<kHalf, kReverse, decltype(rank)::value>(exact, rounded, score, a); });
 }
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
 // tile, MN-major: K along its rows.
@@ -866,8 +867,9 @@ __device__ __forceinline__ void store_rows(const float (&acc)[32], const float (
 // of the chunk's masked scores + q[t] . z), z the key sum entering the chunk (the segment's start,
 // SegmentStart::key_sum, then += each chunk's column sums of k), and each output row times scale /
 // den[t] (the mma.sync kernel's terms, tensorcore_product.cuh, with q unscaled on the tensor
-// cores; the outputs' den from the row sums of P as rounded, normalizer_sums). z is float32 in shared memory, one copy a warpgroup ([64 kAtoms]). Warp w
-// owns columns 64 a + 16 w .. + 15 of each atom a: lane l sums columns 16 w + 2 (l % 8) (+1) over
+// cores; the outputs' den from the row sums of P as rounded, normalizer_sums). z is float32 in
+// shared memory, one copy a warpgroup ([64 kAtoms]). Warp w owns columns 64 a + 16 w .. + 15 of
+// each atom a: lane l sums columns 16 w + 2 (l % 8) (+1) over
 // rows 8 i + 2 (l / 8) (+1) of the staged chunk (each 32-bit load of the warp reads eight
 // different 16-byte groups of the swizzled rows: no bank conflicts), the four row phases are added
 // by two shuffles, and lanes 0-7 (owners) keep, add and write out those columns of z. Every warp
@@ -1230,7 +1232,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
     }
   }
-  if constexpr (kNormalize) {  // z from the segment's start (zeros in state-only blocks), seen after the ring's first wait
+  // kNormalize: z from the segment's start (zeros in state-only blocks), seen after the ring's first wait
+  if constexpr (kNormalize) {
     const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
     keys.set([&](int column) { return !state_only && column < Da ? start.key_sum(column) : 0.f; });
   }
@@ -1374,6 +1377,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
       const int64_t t0 = chunk_begin(it);
+      // the chunk's outputs times the constant factor or (kNormalize) each row's
+      auto store_outputs = [&](const auto& factors) {
+        store_rows<kHalf>(out, factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+      };
       if constexpr (kSplitRows) {
         // the second group's partial output to the first, warp w to warp w (named barrier 1 + w
         // of their 64 threads), float4 j of lane l at 16 (32 j + l) bytes of the warp's part: each
@@ -1391,15 +1398,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
             const float4 x = part[kWarp * j];
             out[4 * j] += x.x, out[4 * j + 1] += x.y, out[4 * j + 2] += x.z, out[4 * j + 3] += x.w;
           }
-          store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+          store_outputs(factor);
         }
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
         if constexpr (kNormalize) {
-          store_rows<kHalf>(out, row_factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+          store_outputs(row_factors);
         } else {
-          store_rows<kHalf>(out, factor, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+          store_outputs(factor);
         }
       }
       if constexpr (kStateBehindOutputs) {
