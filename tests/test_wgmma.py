@@ -25,6 +25,13 @@ EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA"
                                   reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
 
 
+def output_and_gradients(q, k, v, grad_out):
+    """causal_dot_product's output and its gradients into q, k and v for the cotangent grad_out."""
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fast_causal_attn.causal_dot_product(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, grad_out))
+
+
 def training_step_kernels(B, H, dtype, L=200, E=64, M=64):
     """The kernels of a forward and backward of a plain call at (B, H, L, E, M)."""
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda"))
@@ -555,15 +562,9 @@ def test_float32_row_tiles_are_deterministic(tile_rows, head_dim, segments, laun
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", launches)
     q, k, v = make_inputs(2, 8, 700, head_dim, head_dim, dtype=torch.float32, device="cuda")
     grad_out = torch.randn_like(v)
-
-    def run():
-        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = fast_causal_attn.causal_dot_product(*leaves)
-        return (out, *torch.autograd.grad(out, leaves, grad_out))
-
-    first = run()
+    first = output_and_gradients(q, k, v, grad_out)
     for _ in range(3):
-        for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), first, run()):
+        for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), first, output_and_gradients(q, k, v, grad_out)):
             assert torch.equal(x, y), name
 
 
@@ -701,15 +702,9 @@ def test_float32_state_only_ring(shape, segments, monkeypatch):
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda")
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld", tolerance=1e-5)
     grad_out = torch.randn_like(v)
-
-    def run():
-        x = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = fast_causal_attn.causal_dot_product(*x)
-        return (out, *torch.autograd.grad(out, x, grad_out))
-
-    deep = run()
+    deep = output_and_gradients(q, k, v, grad_out)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS", "2")
-    for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), deep, run()):
+    for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), deep, output_and_gradients(q, k, v, grad_out)):
         assert torch.equal(x, y), name
 
 
