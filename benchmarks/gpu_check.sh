@@ -165,9 +165,10 @@ if has sanitize; then
       -p no:cacheprovider >"$OUT/sanitize_$1_$4.log" 2>&1
     echo $? >"$OUT/sanitize_$1_$4.rc"
   }
-  sanitize() {
+  sanitize() {  # NAME PYTEST_K [FILE] [TOOLS_NOT_RUN]
     [[ -n "${SANITIZE_SUBSETS:-}" && " $SANITIZE_SUBSETS " != *" $1 "* ]] && return 0
     for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+      [[ " ${4:-} " == *" $tool "* ]] && continue
       while (( $(sanitize_running) >= ${SANITIZE_JOBS:-1} )); do sleep 1; done
       sanitize_one "$1" "$2" "${3:-tests/test_correctness.py}" $tool &
       sanitize_pids+=($!)
@@ -202,12 +203,15 @@ if has sanitize; then
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
   # states in and out on the wgmma kernels (a start into every segment, the end from the last)
   sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
-  # the normalized 16-bit forward (KeySums: z in shared memory, den from the scores' row sums):
-  # one atom on one warpgroup, two atoms on two (its outputs staged over the copy), segments.
-  # racecheck reports the second case (its segments reuse stage slots: the consumers' reads of a
-  # staged k tile against the producer's next copies into it), not yet settled (RESULTS.md,
-  # fifty-second session): rc 9 until it is
-  sanitize wgmma_normalize "test_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96) and bhld and 3-0.7-given" tests/test_wgmma.py
+  # the normalized 16-bit kernels (KeySums, the extra rows): one atom on one warpgroup, two atoms on
+  # two (outputs staged over the copy), segments; and one atom in one segment of 5 chunks (3 stage
+  # slots: the consumers' ordinary loads of a staged tile before the producer refills its slot).
+  # Not under racecheck: it reports the stage ring's order itself (consumers' reads, bar.arrive;
+  # producer's bar.sync, writes) as a race wherever a consumer reads a staged tile with ordinary
+  # loads, as it does on benchmarks/racecheck_probe.cu, that protocol alone with correct sums
+  # (gpu_check's ring_race stage; RESULTS.md, fifty-third session)
+  sanitize wgmma_normalize "test_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96) and bhld and 3-0.7-given" tests/test_wgmma.py racecheck
+  sanitize wgmma_normalize_reuse "test_normalized_forward_on_the_wgmma_kernels and B2H3L300E64M64 and bhld and 1-0.7-given and bfloat16" tests/test_wgmma.py racecheck
   # the forward's one launch at two atoms on two warpgroups (E = M = 128, FAST_CAUSAL_ATTN_ONE_LAUNCH=1)
   sanitize one_launch_wide "test_one_launch_segments and E128M128 and 3-torch" tests/test_wgmma.py
   # the wgmma kernels at E, M above 64 (two atoms, two warpgroups; dk and dv on the wide kernel)

@@ -851,8 +851,10 @@ def normalized_step(q, k, v, state0, layout, scale):
 def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     """The 16-bit normalized forward runs on wgmma_product_kernel up to 128 of the state's rows (one
     or two atoms, one warpgroup or two), in segments through the state-only launch and the scan
-    (its one-launch segments carry no key sums), and on no mma.sync kernel; its backward on the
-    mma.sync kernels."""
+    (its one-launch segments carry no key sums), and on no mma.sync kernel; in its backward dq on
+    wgmma_product_kernel where M is up to 128 (the extra row beside), dk with dv in one pass on
+    wgmma_grad_kv_kernel where E and M are up to 64 (q / den staged, the extra row beside), the
+    rest on the mma.sync kernels."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
@@ -863,7 +865,10 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
     with cuda_kernels_launched() as names:
         torch.autograd.grad(out.float().sum(), (q, k, v))
-    assert any("tensorcore_product_kernel" in n for n in names), names
+    fused = E <= 64 and M <= 64
+    assert any("wgmma_grad_kv_kernel" in n for n in names) == fused, names
+    assert any("wgmma_product_kernel<(fast_causal_attn::cuda::Pass)1" in n for n in names) == (M <= 128), names
+    assert any("tensorcore_product_kernel" in n for n in names) == (not fused or M > 128), names
 
 
 @CUDA
@@ -879,9 +884,11 @@ def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale,
     """normalize=True with the forward on the wgmma kernels where the build has them (the key sum
     entering each chunk, den from the row sums of the masked scores as rounded for P Cc and q . z,
     each output row times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den
-    and kept segment starts read by the mma.sync backward: in 1 or 3 time segments (the key sums'
-    state-only sums and scan), one atom or two, one warpgroup or two, partial chunks, E != M, both
-    layouts, scale 1 and 0.7, from zeros or a given state with the final state out (check_state_call:
+    and kept segment starts read by the backward (dq on wgmma at M <= 128 and dk with dv in one
+    wgmma pass at E, M <= 64, the extra row beside, q / den staged; the rest on mma.sync): in 1 or
+    3 time segments (the key sums' state-only sums and scan), one atom or two, one warpgroup or
+    two, partial chunks, E != M, both layouts, scale 1 and 0.7, from zeros or a given state with
+    the final state out (check_state_call:
     the final state within 1e-5; the initial state's gradients held to the outputs' tolerance, the
     normalized backward making them from the 16-bit output read back, dO . O, and from q / den
     rounded to 16 bits)."""

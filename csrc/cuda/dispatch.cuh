@@ -35,10 +35,10 @@ inline Family forced_family() {
 // (S0, z0) to (S1, z1); the dq product starts from [S0^T; z0]; the dk product from
 // [dS1^T; dz1] and ends at dz0 in its extra row; the dv product from dS1 to dS0. Without normalize
 // the key sums never meet q: dz1 reaches dk as a constant row (out_bias) and dz0 = dz1 (host).
-// dk and dv in one pass (the 16-bit wgmma kernels' GradKV, without normalize; run_grad_kv): its
-// state D = sum dO^T q (M x E) serves both gradients (dk = V D, dv = K D^T), so it starts from
-// dS1^T (dk's start; dv's is the same matrix) and ends as dS0 (E x M: dv's end), written
-// transposed, with dk's constant row.
+// dk and dv in one pass (the 16-bit wgmma kernels' GradKV; run_grad_kv): its state D = sum dO^T q
+// (M x E) serves both gradients (dk = V D, dv = K D^T), so it starts from dS1^T (dk's start; dv's
+// is the same matrix) and ends as dS0 (E x M: dv's end), written transposed, with dk's constant
+// row, or under normalize dk's extra row from dz1 to dz0.
 template <Pass P>
 KernelParams with_state_io(const KernelParams& p) {
   KernelParams s = p;
@@ -60,9 +60,11 @@ KernelParams with_state_io(const KernelParams& p) {
     case Pass::GradV:
       s.start_state = p.grad_final_kv, s.end_state = p.grad_initial_kv;
       break;
-    case Pass::GradKV:
+    case Pass::GradKV:  // (dk's extra row under normalize: the key sums' gradients, as GradK's)
       s.start_state = p.grad_final_kv, s.start_transposed = true;
       s.end_state = p.grad_initial_kv, s.end_transposed = true;
+      s.start_vector = p.normalize ? p.grad_final_k_sum : nullptr;
+      s.end_vector = p.normalize ? p.grad_initial_k_sum : nullptr;
       s.out_bias = p.normalize ? nullptr : p.grad_final_k_sum;
       break;
   }

@@ -83,8 +83,13 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // two. float32: Da and Dc in tiles of 64, up to four (RowTileSums).
     constexpr int64_t kMax = P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0) return false;
-    // Normalize: the 16-bit forward up to two atoms (its kernel's KeySums); the rest on mma.sync.
-    if (p.normalize && (kFloat || P != Pass::Forward || Da > 128)) return false;
+    // Normalize: the 16-bit forward and dq up to two atoms (their kernel's KeySums), and dk with
+    // dv in one pass up to 64 (wgmma_grad_kv_kernel's kNormalize); the rest on mma.sync.
+    if (p.normalize && (kFloat || (P == Pass::Forward || P == Pass::GradQ ? Da > 128
+                                   : P == Pass::GradKV                  ? Da > 64 || Dc > 64
+                                                                        : true))) {
+      return false;
+    }
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
     if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
@@ -97,7 +102,8 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     if (p.cu_seqlens != nullptr && p.has_state_io()) return false;
     // The reverse passes take a given start divided by the scale (launch_wgmma): where that is
     // finite and as exact as a float32 division, |scale| in [2^-32, 2^32].
-    if (PassTraits<P>::kReverse && p.start_state != nullptr && !(std::abs(p.scale) >= 0x1p-32 && std::abs(p.scale) <= 0x1p32)) {
+    if (PassTraits<P>::kReverse && (p.start_state != nullptr || (p.normalize && p.start_vector != nullptr)) &&
+        !(std::abs(p.scale) >= 0x1p-32 && std::abs(p.scale) <= 0x1p32)) {
       return false;
     }
     return device_runs_sm90a();
@@ -299,7 +305,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const bool normalize = P == Pass::Forward && p.normalize;  // (wgmma_takes: 16-bit, up to two atoms)
+  const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq up to two atoms, dk with dv up to 64)
   const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize};
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
@@ -315,11 +321,12 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       if (row_parts == 2) return tf32 ? wgmma_tf32_product_kernel<P, false, 2> : wgmma_tf32_product_kernel<P, true, 2>;
       return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
     } else if constexpr (P == Pass::GradKV) {
-      (void)row_parts, (void)normalize;
+      (void)row_parts;
+      if (normalize) return wgmma_grad_kv_kernel<scalar_t, false, true>;  // (not wide: wgmma_takes)
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
       (void)row_parts;
-      if constexpr (P == Pass::Forward) {  // the normalizer's instances (up to two atoms)
+      if constexpr (P == Pass::Forward || P == Pass::GradQ) {  // the normalizer's instances (up to two atoms)
         if (normalize && groups == 2) {
           return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
                             : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
@@ -343,8 +350,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       (void)atoms, (void)groups, (void)wide, (void)normalize;
       return nullptr;
     } else if constexpr (P == Pass::GradKV) {
-      (void)atoms, (void)groups, (void)normalize;
-      return wide ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
+      (void)atoms, (void)groups;
+      return wide || normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
       (void)wide;
       return atoms == 1 && groups == 1 && !normalize ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
@@ -358,7 +365,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
-                      : P == Pass::GradKV ? wgmma::smem_bytes(4)
+                      : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kExtraRowBytes : 0)
                                           : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)
@@ -534,18 +541,26 @@ void add_key_sums(const KernelParams& p, cudaStream_t stream) {
 template <Pass P, typename scalar_t>
 ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   KernelParams p = params;
-  // the key sums beside the kernels (add_key_sums), but the normalized forward's: its kernel's
-  if (!(P == Pass::Forward && p.normalize)) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
+  // the key sums beside the kernels (add_key_sums), but under normalize: the kernels' (the
+  // forward's KeySums, dk with dv's extra row)
+  if (!p.normalize) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
   p.out_bias = nullptr;
   const bool rescale = PassTraits<P>::kReverse && p.scale != 1.0 && !p.dry_run;
-  const int64_t state_numel = p.num_seqs * p.H * Da * Dc;
-  at::Tensor start;
+  const int64_t pairs = p.num_seqs * p.H, state_numel = pairs * Da * Dc;
+  // a reverse pass's start divided by the scale, its end times it (the extra row's vectors, [pairs,
+  // Dc], as the state)
+  at::Tensor start, start_vector;
   if (rescale && p.start_state != nullptr) {
     start = at::from_blob(const_cast<void*>(p.start_state), {state_numel}, float_options()).div(p.scale);
     p.start_state = start.data_ptr();
   }
+  if (rescale && p.start_vector != nullptr) {
+    start_vector = at::from_blob(const_cast<void*>(p.start_vector), {pairs * Dc}, float_options()).div(p.scale);
+    p.start_vector = start_vector.data_ptr();
+  }
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
   if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, float_options()).mul_(p.scale);
+  if (rescale && p.end_vector != nullptr) at::from_blob(p.end_vector, {pairs * Dc}, float_options()).mul_(p.scale);
   if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
   return kept;
 }

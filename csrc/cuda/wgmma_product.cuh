@@ -64,6 +64,8 @@ constexpr int kStages = 3;         // chunks staged (two on their way; a fourth 
 __host__ __device__ constexpr int stages_for_atoms(int atoms) { return atoms > 2 ? 2 : kStages; }
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
+// the normalized dk-with-dv kernel's extra row e (KeySums, 64 floats), after its warps' largest |S|
+constexpr int kExtraRowBytes = 64 * 4;
 // `stages` x slot_tiles tiles ({A, B, each group's Cc}: 2 kAtoms + kGroups; {q, k, v, dO} for dk
 // and dv, kAtoms each), the state copies (two parts, bfloat16; float16 uses one) in copy_tiles, and
 // for each of `groups` warpgroups its outputs' staging rows and its warps' largest |S| (float16's
@@ -83,7 +85,7 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
 // next chunk's copy) where the staging rows were. Measured (RESULTS.md, thirty-third session):
 // there the forward and dq 4-11% faster; float16 there 1-3% slower (its P Cc kept apart from A S
 // until that is scaled back), one atom 1-6% slower, (2, 1) and (1, 2) even.
-// The forward under normalize (KeySums): each group's key sum, 64 floats an atom, after the warps'
+// The forward and dq under normalize (KeySums): each group's key sum, 128 floats, after the warps'
 // largest |S|; the producer leaves the scores to the consumers (they need their row sums), and at
 // two atoms on two groups each group stages its outputs over its copy, as with producer_scores
 // (the staging rows would not fit beside the key sums: 226 KB of the 227 without them).
@@ -110,7 +112,8 @@ struct ProductLayout {
   __host__ __device__ constexpr int staging_bytes() const {
     return splits_rows() ? kExchangeBytes : stages_over_copy() ? 0 : groups * kStagingBytes;
   }
-  __host__ __device__ constexpr int key_sum_bytes() const { return normalize ? groups * 64 * atoms * 4 : 0; }
+  // (a group's 128 floats: the forward's z over up to two atoms, dq's over its 64 columns twice)
+  __host__ __device__ constexpr int key_sum_bytes() const { return normalize ? groups * 128 * 4 : 0; }
   // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
   // largest |S|, the key sums
   __host__ __device__ constexpr size_t smem_bytes() const {
@@ -891,9 +894,10 @@ struct KeySums {
 #pragma unroll
       for (int e = 0; e < 2; ++e) z[column(a, e)] = value(column(a, e));
   }
-  // This lane's columns of b summed over the staged chunk at b_tile (kAtoms atoms), the row phases
-  // added: an owner's sums.
-  __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile) const {
+  // This lane's columns of b summed over the staged chunk at b_tile (kAtoms atoms), each row times
+  // weight(row) (1: plain sums), the row phases added: an owner's sums.
+  template <typename Weight>
+  __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile, Weight&& weight) const {
     const int lane = threadIdx.x % kWarp, phase = lane / 8, pair = lane % 8;
     const int group16 = 2 * group_warp() + pair / 4;  // the 16-byte group of columns 16 w + 2 pair (+1)
 #pragma unroll
@@ -910,7 +914,8 @@ struct KeySums {
                        : "r"(b_tile + a * kTile + row * 128 + ((group16 ^ (row % 8)) * 16) + 4 * (pair % 4))
                        : "memory");
           const float2 f = unpack<kHalf>(x);
-          lo += f.x, hi += f.y;
+          const float w = weight(row);
+          lo += f.x * w, hi += f.y * w;
         }
 #pragma unroll
       for (int offset = 8; offset < kWarp; offset *= 2) {
@@ -918,6 +923,38 @@ struct KeySums {
         hi += __shfl_xor_sync(0xffffffffu, hi, offset);
       }
       sums[a][0] = lo, sums[a][1] = hi;
+    }
+  }
+  __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile) const {
+    chunk_sums(sums, b_tile, [](int) { return 1.f; });
+  }
+  // An owner's columns of z set to `previous`'s plus its chunk sums (dq's double-buffered z).
+  __device__ void assign(const KeySums& previous, const float (&sums)[kAtoms][2]) const {
+    if (!owner()) return;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) z[column(a, e)] = previous.z[column(a, e)] + sums[a][e];
+  }
+  // z's entries at this lane's accumulator columns times weights[h], added to its row g + 8 h of
+  // acc (dq's extra row: -dO[t] . O[t] z).
+  __device__ void add_scaled_to_rows(float (&acc)[32], const float (&weights)[2]) const {
+    const int q4 = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 x = *reinterpret_cast<const float2*>(z + 8 * j + 2 * q4);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) acc[4 * j + 2 * h] += weights[h] * x.x, acc[4 * j + 2 * h + 1] += weights[h] * x.y;
+    }
+  }
+  // z's entries at this lane's accumulator columns (8 j + 2 q4, + 1: an accumulator's layout,
+  // for_each_entry's) added to every row of acc.
+  __device__ void add_to_rows(float (&acc)[32]) const {
+    const int q4 = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float2 x = *reinterpret_cast<const float2*>(z + 8 * j + 2 * q4);
+      acc[4 * j] += x.x, acc[4 * j + 1] += x.y, acc[4 * j + 2] += x.x, acc[4 * j + 3] += x.y;
     }
   }
   // An owner's columns of z below Da to `to` (the key sum's end).
@@ -970,6 +1007,33 @@ struct KeySums {
     }
   }
 };
+
+// The normalized backward's q rows divided by their den (wgmma_grad_kv_kernel's kNormalize: q / den
+// is dv's B and dk's Cc, as the mma.sync kernels' staged operand), in place by the producer thread
+// that copied them: its own pieces of the staged tile (Stager's rows row0 + 16 i of its column
+// group, its copies landed), row r times 1 / den[r] in float32 and rounded once; rows past n are
+// zeros and stay so. Then fenced for wgmma.
+template <bool kHalf>
+__device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, const float* den, int n) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = stage.row0 + 16 * i;
+    if (row >= n) continue;
+    const float factor = __frcp_rn(den[row]);
+    const uint32_t at = tile + stage.piece0 + 2048 * i;
+    const uint4 x = tensorcore::load_shared_16(at);
+    uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 f = unpack<kHalf>(words[w]);
+      words[w] = pack<kHalf>(f.x * factor, f.y * factor);
+    }
+    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(words[0]), "r"(words[1]), "r"(words[2]),
+                 "r"(words[3])
+                 : "memory");
+  }
+  fence_shared_writes();
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace wgmma
@@ -1027,8 +1091,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize};
-  // the forward's normalizer (KeySums): up to two atoms, each group's copy beside its scores
-  static_assert(!kNormalize || (P == Pass::Forward && !kOneLaunch && kAtoms <= 2), "normalize: the forward, Da <= 128");
+  // the normalizer (KeySums): the forward (den) and dq (the extra row), up to two atoms, each
+  // group's copy beside its scores
+  static_assert(!kNormalize || ((P == Pass::Forward || P == Pass::GradQ) && !kOneLaunch && kAtoms <= 2),
+                "normalize: the forward and dq, Da <= 128");
   constexpr bool kSplitRows = kLayout.splits_rows();
   constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
   constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
@@ -1060,7 +1126,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
                                                  : group * kStagingBytes));
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
   StateCopy<kHalf, kStateAtoms> copy{base + uint32_t(copy_tile) * kTile, warp_max + 4 * group};
-  const KeySums<kHalf, kAtoms> keys{warp_max + 4 * kGroups + 64 * kAtoms * group};  // (kNormalize)
+  // (kNormalize) the key sum: the forward's z over B's Da columns (den); dq's over its group's Cc
+  // columns (k's, the extra row's), twice (keys_of: chunk it's in keys_of(it), the next chunk's
+  // written beside it, so that no barrier parts the reads from the owners' writes)
+  using ColumnSums = KeySums<kHalf, P == Pass::Forward ? kAtoms : 1>;
+  float* const key_base = warp_max + 4 * kGroups + 128 * group;
+  const ColumnSums keys{key_base};
+  auto keys_of = [key_base](int64_t it) { return ColumnSums{key_base + 64 * int(it % 2)}; };
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -1192,9 +1264,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));
       commit();
-      if constexpr (kNormalize) {
-        float sums[kAtoms][2];
-        keys.chunk_sums(sums, tile_of(ring.slot, kAtoms));
+      if constexpr (kNormalize) {  // (the forward: k as B; dq: k as this group's Cc)
+        float sums[P == Pass::Forward ? kAtoms : 1][2];
+        keys.chunk_sums(sums, tile_of(ring.slot, P == Pass::Forward ? kAtoms : my_c));
         keys.add(sums);
       }
       wait<0>();
@@ -1235,7 +1307,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // kNormalize: z from the segment's start (zeros in state-only blocks), seen after the ring's first wait
   if constexpr (kNormalize) {
     const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
-    keys.set([&](int column) { return !state_only && column < Da ? start.key_sum(column) : 0.f; });
+    if constexpr (P == Pass::Forward) {
+      keys.set([&](int column) { return !state_only && column < Da ? start.key_sum(column) : 0.f; });
+    } else {  // dq: the extra row's start (with with_state_io's z0), this group's columns
+      keys.set([&](int column) { return !state_only && m0 + column < Dc ? start.extra(m0 + column) : 0.f; });
+    }
   }
 
   // Each output times the pass's constant factor (see the file's comment).
@@ -1261,11 +1337,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     } else {
       copy.publish_first(state, group_sync);
     }
-    // kNormalize: q . z of the lane's two rows (KeySums::row_dots), and the outputs' factors a row
+    // kNormalize: q . z of the lane's two rows (KeySums::row_dots) and the outputs' factors a row
+    // (the forward's)
     float key_dots[2], row_factors[2];
     static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores && !kSplitRows), "the normalizer's place");
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
+      // kNormalize, dq: the lane's rows' extra-row a (-dO[t] . O[t]) or output factor (scale /
+      // den[t]), each read where it is used (held across the chunk, the two-atom two-group
+      // instance spilled 108 bytes)
+      auto dq_rows = [&](float (&values)[2], bool weights) {
+        const int64_t t0 = chunk_begin(it);
+        const int n = work.chunk_len(t0, C);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
+          values[h] = row >= n   ? 0.f
+                      : weights ? -ops.dout_dot_out[t0 + row]
+                                : factor * __frcp_rn(ops.den[t0 + row]);
+        }
+      };
       // kNormalize: den = eps + scale (the row sum of the masked float32 scores + q . z), kept for
       // the backward (by the first group of column tile 0), and the rows' factors scale / (the same
       // with P's rounded row sum: normalizer_sums)
@@ -1285,8 +1376,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       };
       // out += mask(score) Cc in one committed group (add_masked_times), kNormalize's normalizer
       // taken from the masked fragments on the way
-      auto add_masked = [&](float (&to)[32], const float (&score)[32], uint32_t c_tile) {
-        if constexpr (kNormalize) {
+      auto add_masked = [&](float (&to)[32], float (&score)[32], uint32_t c_tile) {
+        if constexpr (kNormalize && P == Pass::GradQ) {  // dq's extra row: each score of row t plus its a
+          float weights[2];
+          dq_rows(weights, true);
+#pragma unroll
+          for (int i = 0; i < 32; ++i) score[i] += weights[(i % 4) / 2];
+        }
+        if constexpr (kNormalize && P == Pass::Forward) {
           uint32_t masked[4][4];
           masked_fragments<kHalf, kReverse>(masked, score);
           normalizer(score, masked);
@@ -1323,16 +1420,21 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
         commit();
         float key_chunk[kAtoms][2];  // (kNormalize) this chunk's sums of k: z's next update
-        if constexpr (kNormalize) {  // while the scores run
+        if constexpr (kNormalize && P == Pass::Forward) {  // while the scores run
           keys.row_dots(key_dots, at);
           keys.chunk_sums(key_chunk, bt);
+        }
+        if constexpr (kNormalize && P == Pass::GradQ) {  // the next chunk's z beside this one's
+          float sums[1][2];
+          keys_of(it).chunk_sums(sums, ct);
+          keys_of(it + 1).assign(keys_of(it), sums);
         }
         if constexpr (kCopyBesideScores) {
           copy.publish(state);
           fence_shared_writes();
           group_sync();  // the copy seen by every warp's wgmma
         }
-        if constexpr (kNormalize) keys.add(key_chunk);  // (every warp's q . z has read z)
+        if constexpr (kNormalize && P == Pass::Forward) keys.add(key_chunk);  // (every warp's q . z has read z)
         if constexpr (kStateAtoms == 4) {
           // The state's 128 registers leave no room for the scores, A S and P at once (that order
           // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
@@ -1403,6 +1505,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
+        if constexpr (kNormalize && P == Pass::GradQ) {  // + a z, then each row times scale / den
+          float weights[2];
+          dq_rows(weights, true);
+          keys_of(it).add_scaled_to_rows(out, weights);
+          dq_rows(row_factors, false);
+        }
         if constexpr (kNormalize) {
           store_outputs(row_factors);
         } else {
@@ -1422,8 +1530,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   const SegmentEnd<float> end(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
   for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
-  if constexpr (kNormalize) {  // the key sum's end (the owners' columns of z, their own writes)
+  if constexpr (kNormalize && P == Pass::Forward) {  // the key sum's end (the owners' columns of z, their own writes)
     if (end.key_sum != nullptr && group == 0 && work.col_tile == 0) keys.store(end.key_sum, Da);
+  }
+  if constexpr (kNormalize && P == Pass::GradQ) {  // (state-only blocks: their segment's sums of k)
+    if (end.extra != nullptr) keys_of(state_only ? 0 : chunks).store(end.extra + m0, Dc - m0);
   }
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
@@ -1442,20 +1553,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
 // pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (the walks that
 // only sum: q and dO, in a deeper ring) as wgmma_product_kernel's.
-template <typename scalar_t, bool kOneLaunch = false>  // (kOneLaunch: as wgmma_product_kernel's)
+template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false>  // (kOneLaunch: as wgmma_product_kernel's)
 __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
+  static_assert(!(kOneLaunch && kNormalize), "normalize: three launches (one launch's sums carry no extra row)");
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
   uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 4 + 2) * kTile);
-  StateCopy<kHalf> copy{base + kStages * 4 * kTile,
-                        reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes)};
+  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes);
+  StateCopy<kHalf> copy{base + kStages * 4 * kTile, warp_max};
+  // kNormalize: dk's extra row (kExtraRowBytes): e = the sum over the chunks after this one of
+  // -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
+  // sums' gradients (with_state_io's GradKV), and -dO[t] . O[t] is added to each kept score of
+  // V dO^T, column t
+  const KeySums<kHalf, 1> extra{warp_max + 4};
 
   // one launch for the segments (KernelParams::lookback): the block's work by the order blocks start
   const int64_t block =
@@ -1497,15 +1614,23 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kBlockThreads = 2 * kThreads;
   static_assert(kSummed < 16, "named barriers");
   if (warpgroup() == 1) {  // the producer (broadcast, as above)
+    // kNormalize: chunk it's staged q (at `tile`) divided by its rows' den once landed
+    auto divide_q = [&](uint32_t tile, int64_t t0) {
+      if constexpr (kNormalize) divide_rows<kHalf>(stage, tile, ops.den + t0, work.chunk_len(t0, C));
+    };
     auto produce_sums = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
-      ProducedRing<kSumDepth>(kFull, kBlockThreads).produce(chunks, [&](int64_t it, int slot) {
-        if (it < chunks) {
-          const int n = work.chunk_len(chunk_start(it), C);
-          stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
-          stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
-        }
-        StageRing<>::commit_copies();
-      });
+      ProducedRing<kSumDepth>(kFull, kBlockThreads)
+          .produce(
+              chunks,
+              [&](int64_t it, int slot) {
+                if (it < chunks) {
+                  const int n = work.chunk_len(chunk_start(it), C);
+                  stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
+                  stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
+                }
+                StageRing<>::commit_copies();
+              },
+              [&](int64_t it, int slot) { divide_q(sum_tile(slot, 0), chunk_start(it)); });
     };
     if (sums_first) {  // first to last
       Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
@@ -1515,12 +1640,19 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     if (state_only) {  // the chunks from the last back to the first, as the pass's
       produce_sums(q_src, dout_src, chunk_begin, std::true_type{});
     } else {
-      ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk);
+      ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
+        divide_q(tile_of(slot, 0), chunk_begin(it));
+      });
     }
     return;
   }
+  // kNormalize: -dO[t] . O[t] of the chunk from t0 (the extra row's b; zero past its n rows)
+  auto extra_weight = [&](int64_t t0, int n) {
+    return [&ops = ops, t0, n](int row) { return row < n ? -ops.dout_dot_out[t0 + row] : 0.f; };
+  };
   auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
   // D += dO^T Q over the chunks of a summing walk
+  // (kNormalize, state-only blocks: e += the extra row's sums as well, read by no other warp here)
   auto consume_sums = [&] {
     ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
@@ -1528,6 +1660,12 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       fence();
       add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));
       commit();
+      if constexpr (kNormalize) {
+        float sums[1][2];
+        const int64_t t0 = chunk_begin(it);
+        extra.chunk_sums(sums, sum_tile(ring.slot, 0), extra_weight(t0, work.chunk_len(t0, C)));
+        extra.add(sums);
+      }
       wait<0>();
       ring.release(it, chunks);
     }
@@ -1553,11 +1691,18 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
   }
+  if constexpr (kNormalize) {  // e from the segment's start (zeros in state-only blocks)
+    const SegmentStart<float> start(p, work.pair, work.segment, M, E);
+    extra.set([&](int column) { return !state_only && column < E ? start.extra(column) : 0.f; });
+  }
   // D to where the segment ends (SegmentEnd; state-only blocks: their own sums; the initial state's
-  // gradient E x M, transposed), at both of its stores
+  // gradient E x M, transposed), at both of its stores; e beside it (the owners' own writes)
   auto store_segment_end = [&] {
     const SegmentEnd<float> end(p, work.pair, work.segment, M, E, true, false, work.piece);
     store_end(d, end.state, M, E, 0, 0, end.transposed);
+    if constexpr (kNormalize) {
+      if (end.extra != nullptr) extra.store(end.extra, E);
+    }
   };
   if (state_only) {  // the segment's own dO^T Q alone
     consume_sums();
@@ -1591,18 +1736,33 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     wait<0>();
     store_rows<kHalf>(acc, factor, staging, ops_v.out + t0 * ops_v.out_l, ops_v.out_l, n, M);
 
-    // dk = V D + mask(V dO^T) Q, with D += dO^T Q behind it
+    // dk = V D + mask(V dO^T) Q, with D += dO^T Q behind it (kNormalize: Q divided by den, as
+    // above, each score of V dO^T plus -dO[t] . O[t] of its column t, and e added to every row)
     fence();
     scores_of<kHalf>(score, vt, dt);
     commit();
     times_state_copy<kHalf, 1>(acc, vt, copy.at);
     commit();
+    float e_chunk[1][2];  // (kNormalize) this chunk's part of e, added once every warp has read e
+    const auto weight = extra_weight(t0, n);
+    if constexpr (kNormalize) extra.chunk_sums(e_chunk, qt, weight);  // while the products run
+    auto add_extra_row = [&] {  // (kNormalize) the scores' columns t
+      if constexpr (kNormalize) {
+        const int q4 = threadIdx.x % 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float w0 = weight(8 * j + 2 * q4), w1 = weight(8 * j + 2 * q4 + 1);
+          score[4 * j] += w0, score[4 * j + 1] += w1, score[4 * j + 2] += w0, score[4 * j + 3] += w1;
+        }
+      }
+    };
     // bfloat16: P Q behind V D once the scores are in, D's update behind P Q while dk is
     // stored (float16 takes the copy's scale back from V D first). Measured on the H200 (bf16,
     // RESULTS.md, twenty-eighth session): this kernel 0.1521 -> 0.1426 ms at 4,16,8192,64,
     // 0.0636 -> 0.0591 at 8,16,2048,64, 0.0372 -> 0.0355 at 2,4,8192,64.
     if constexpr (!kHalf) {
       wait<1>();  // the scores; V D may still run
+      add_extra_row();
       add_masked_times<kHalf, true>(acc, score, qt);
     }
     add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
@@ -1611,17 +1771,20 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     auto release = [&] { ring.release(it, chunks); };
     if constexpr (kHalf) {
       copy.scale_back(acc);
+      add_extra_row();
       add_masked_times<kHalf, true>(acc, score, qt);
       wait<0>();
       release();
       copy.post_max(copy.rows(d));
     }
+    if constexpr (kNormalize) extra.add_to_rows(acc);
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
     if constexpr (!kHalf) {
       wait<0>();  // D's update, before its copy
       release();
     }
-    consumers_sync();  // every warp's wgmma has read the state copy
+    consumers_sync();  // every warp's wgmma has read the state copy (and e)
+    if constexpr (kNormalize) extra.add(e_chunk);
     copy.publish(copy.rows(d));
   }
   store_segment_end();
