@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
@@ -84,24 +85,61 @@ int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_
 namespace {
 
 // dout_dot_out[t] = dO[t] . O[t]: the one reduction over M that the normalized gradients of
-// q and k need per timestep (flash-attention's backward prepares its dO . O the same way).
-// One warp per (batch, head, timestep).
-template <typename scalar_t>
-__global__ void backward_prepare_kernel(const KernelParams p) {
+// q and k need per timestep (flash-attention's backward prepares its dO . O the same way). `lanes`
+// lanes a row (a power of two up to a warp), each reading kVector elements at a time: 16-byte
+// vectors where both tensors' rows are whole aligned vectors (vector_rows), else one element.
+// One lane a 4-byte piece of a row, as this kernel first read them, took 70 us for the 67 MB of
+// bf16 8,16,2048,64 (H100, RESULTS.md, fifty-third session), a third of the copy bandwidth.
+template <typename scalar_t, int kVector>
+__global__ void backward_prepare_kernel(const KernelParams p, int lanes) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
-  const int lane = threadIdx.x % kWarp;
-  if (row >= p.B * p.H * p.L) return;
-  const int64_t t = row % p.L, pair = row / p.L, b = pair / p.H, h = pair % p.H;
-  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t);
-  const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t);
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
+  const int lane = threadIdx.x % lanes;
+  const bool valid = row < p.B * p.H * p.L;  // (every lane takes part in the shuffles below)
   acc_t dot = acc_t(0);
-  for (int64_t m = lane; m < p.M; m += kWarp) dot += acc_t(dout[m]) * acc_t(out[m]);
+  if (valid) {
+    const int64_t t = row % p.L, pair = row / p.L, b = pair / p.H, h = pair % p.H;
+    const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t);
+    const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t);
+    using Vector = std::conditional_t<kVector == 1, scalar_t, uint4>;
+    for (int64_t m = int64_t(lane) * kVector; m < p.M; m += int64_t(lanes) * kVector) {
+      const Vector x = *reinterpret_cast<const Vector*>(dout + m), y = *reinterpret_cast<const Vector*>(out + m);
+      const scalar_t* xs = reinterpret_cast<const scalar_t*>(&x);
+      const scalar_t* ys = reinterpret_cast<const scalar_t*>(&y);
 #pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-  if (lane == 0) {
-    static_cast<acc_t*>(p.dout_dot_out)[row] = dot;
+      for (int i = 0; i < kVector; ++i) dot += acc_t(xs[i]) * acc_t(ys[i]);
+    }
   }
+  for (int offset = lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset, lanes);
+  if (valid && lane == 0) static_cast<acc_t*>(p.dout_dot_out)[row] = dot;
+}
+
+// Whether dO's and O's rows are whole 16-byte vectors, each at a 16-byte boundary.
+bool vector_rows(const KernelParams& p, int64_t element) {
+  const int64_t vector = 16 / element;
+  auto aligned = [&](const StridedTensor& t) {
+    return reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0 && t.stride_b % vector == 0 && t.stride_h % vector == 0 &&
+           t.stride_l % vector == 0;
+  };
+  return p.M % vector == 0 && aligned(p.dout) && aligned(p.o);
+}
+
+// dout_dot_out for every (batch, head, timestep) of p (launch_backward_cuda's, under normalize).
+template <typename scalar_t>
+void launch_backward_prepare(const KernelParams& p, cudaStream_t stream) {
+  constexpr int kThreads = 256, kVector = 16 / sizeof(scalar_t);
+  const bool vectors = vector_rows(p, sizeof(scalar_t));
+  const int64_t pieces = vectors ? p.M / kVector : p.M;  // a row's reads
+  int lanes = 1;
+  while (lanes < kWarp && lanes < pieces) lanes *= 2;
+  const int64_t blocks = (p.B * p.H * p.L * lanes + kThreads - 1) / kThreads;
+  TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: B * H * L too large: ", p.B * p.H * p.L);
+  if (vectors) {
+    backward_prepare_kernel<scalar_t, kVector><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes);
+  } else {
+    backward_prepare_kernel<scalar_t, 1><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The user's TF32 setting for float32 matmuls, which the tensor-core kernels follow.
@@ -137,13 +175,8 @@ void launch_backward_cuda(const BackwardParams& params) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
     dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
     p.dout_dot_out = dout_dot_out.data_ptr();
-    constexpr int kThreads = 256;
-    const int64_t blocks = (p.B * p.H * p.L * kWarp + kThreads - 1) / kThreads;
-    TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: B * H * L too large: ", p.B * p.H * p.L);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare", [&] {
-      backward_prepare_kernel<scalar_t><<<unsigned(blocks), kThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
+                                    [&] { launch_backward_prepare<scalar_t>(p, stream); });
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200

@@ -306,7 +306,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                          ? 2
                          : 1;
   const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq up to two atoms, dk with dv up to 64)
-  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize};
+  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize,
+                                    normalize && P == Pass::GradQ};
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
@@ -365,7 +366,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
-                      : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kExtraRowBytes : 0)
+                      : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kNormalizedGradKVBytes : 0)
                                           : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)

@@ -64,8 +64,12 @@ constexpr int kStages = 3;         // chunks staged (two on their way; a fourth 
 __host__ __device__ constexpr int stages_for_atoms(int atoms) { return atoms > 2 ? 2 : kStages; }
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
-// the normalized dk-with-dv kernel's extra row e (KeySums, 64 floats), after its warps' largest |S|
-constexpr int kExtraRowBytes = 64 * 4;
+// The normalized backward's per-row terms (RowTerms: dO[t] . O[t], dq's den[t] too), 64 floats a
+// term a stage slot.
+__host__ __device__ constexpr int row_terms_bytes(int slots, int terms) { return slots * terms * 64 * 4; }
+// the normalized dk-with-dv kernel's extra row e (KeySums, 64 floats), after its warps' largest
+// |S|, and its chunks' dO . O in up to six slots (the pass's ring, or the sums' deeper one: sum_depth)
+constexpr int kNormalizedGradKVBytes = 64 * 4 + row_terms_bytes(6, 1);
 // `stages` x slot_tiles tiles ({A, B, each group's Cc}: 2 kAtoms + kGroups; {q, k, v, dO} for dk
 // and dv, kAtoms each), the state copies (two parts, bfloat16; float16 uses one) in copy_tiles, and
 // for each of `groups` warpgroups its outputs' staging rows and its warps' largest |S| (float16's
@@ -94,7 +98,8 @@ constexpr int kScoresDepth = 2;
 struct ProductLayout {
   int atoms, groups;
   bool half;               // float16 (its state copy scaled), not bfloat16
-  bool normalize = false;  // the forward's normalizer (KeySums)
+  bool normalize = false;  // the normalizer (KeySums)
+  bool row_terms = false;  // dq's under normalize: each stage slot's dO . O and den (RowTerms)
   __host__ __device__ constexpr bool splits_rows() const { return atoms == 4 && groups == 2; }
   __host__ __device__ constexpr int state_atoms() const { return splits_rows() ? 2 : atoms; }  // a group's
   __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
@@ -115,10 +120,11 @@ struct ProductLayout {
   // (a group's 128 floats: the forward's z over up to two atoms, dq's over its 64 columns twice)
   __host__ __device__ constexpr int key_sum_bytes() const { return normalize ? groups * 128 * 4 : 0; }
   // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
-  // largest |S|, the key sums
+  // largest |S|, the key sums, the row terms
   __host__ __device__ constexpr size_t smem_bytes() const {
     return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles() + scores_tiles()) * kTile +
-           staging_bytes() + groups * 4 * sizeof(float) + key_sum_bytes();
+           staging_bytes() + groups * 4 * sizeof(float) + key_sum_bytes() +
+           (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0);
   }
 };
 
@@ -278,6 +284,9 @@ __device__ __forceinline__ int group_warp() { return int(threadIdx.x % kThreads)
 // A 16-byte copy that does not wait (cp.async); zeros when !valid.
 __device__ __forceinline__ void copy_16(uint32_t dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void copy_4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0) : "memory");
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
@@ -900,6 +909,13 @@ struct KeySums {
   __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile, Weight&& weight) const {
     const int lane = threadIdx.x % kWarp, phase = lane / 8, pair = lane % 8;
     const int group16 = 2 * group_warp() + pair / 4;  // the 16-byte group of columns 16 w + 2 pair (+1)
+    // the rows' weights first: each read after the tile's loads (asm, ordered with memory) would
+    // wait on its own
+    float weights[8][2];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) weights[i][u] = weight(8 * i + 2 * phase + u);
 #pragma unroll
     for (int a = 0; a < kAtoms; ++a) {
       float lo = 0.f, hi = 0.f;
@@ -914,8 +930,7 @@ struct KeySums {
                        : "r"(b_tile + a * kTile + row * 128 + ((group16 ^ (row % 8)) * 16) + 4 * (pair % 4))
                        : "memory");
           const float2 f = unpack<kHalf>(x);
-          const float w = weight(row);
-          lo += f.x * w, hi += f.y * w;
+          lo += f.x * weights[i][u], hi += f.y * weights[i][u];
         }
 #pragma unroll
       for (int offset = 8; offset < kWarp; offset *= 2) {
@@ -1008,25 +1023,49 @@ struct KeySums {
   }
 };
 
+// The normalized backward's per-row terms of a chunk, kTerms arrays of 64 floats a stage slot
+// (dO[t] . O[t]; dq's den[t] too), staged by the producer beside the chunk's tiles: one 4-byte
+// cp.async a thread in the chunk's copy group, rows past n zeros. The consumers read them from
+// shared memory once the ring says the chunk is staged (every producer thread's copies landed).
+// Read from global memory where each was used, the loads' latency sat on the consumers' chain
+// every chunk (RESULTS.md, fifty-third session).
+template <int kTerms>
+struct RowTerms {
+  static_assert(kTerms == 1 || kTerms == 2, "a producer thread a row's term");
+  float* at;  // [slots][kTerms][64], shared
+  __device__ const float* slot(int s) const { return at + s * kTerms * 64; }
+  // (the producer) from[term][0 .. n) into slot s
+  __device__ void stage(int s, const float* const (&from)[kTerms], int n) const {
+    const int thread = int(threadIdx.x % kThreads), term = thread / 64, row = thread % 64;
+    if (term < kTerms) copy_4(smem_address(slot(s) + 64 * term + row), from[term] + (row < n ? row : 0), row < n);
+  }
+};
+
 // The normalized backward's q rows divided by their den (wgmma_grad_kv_kernel's kNormalize: q / den
 // is dv's B and dk's Cc, as the mma.sync kernels' staged operand), in place by the producer thread
 // that copied them: its own pieces of the staged tile (Stager's rows row0 + 16 i of its column
 // group, its copies landed), row r times 1 / den[r] in float32 and rounded once; rows past n are
-// zeros and stay so. Then fenced for wgmma.
+// zeros and stay so. Then fenced for wgmma. The four den are read first, at once (read between
+// the tile's loads, each waited on its own: the producer's announcement of each chunk late by
+// four reads from memory).
 template <bool kHalf>
 __device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, const float* den, int n) {
+  float factors[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = stage.row0 + 16 * i;
-    if (row >= n) continue;
-    const float factor = __frcp_rn(den[row]);
+    factors[i] = row < n ? __frcp_rn(den[row]) : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if (stage.row0 + 16 * i >= n) continue;
     const uint32_t at = tile + stage.piece0 + 2048 * i;
     const uint4 x = tensorcore::load_shared_16(at);
     uint32_t words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       const float2 f = unpack<kHalf>(words[w]);
-      words[w] = pack<kHalf>(f.x * factor, f.y * factor);
+      words[w] = pack<kHalf>(f.x * factors[i], f.y * factors[i]);
     }
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(at), "r"(words[0]), "r"(words[1]), "r"(words[2]),
                  "r"(words[3])
@@ -1090,7 +1129,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
-  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize};
+  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize, kNormalize && P == Pass::GradQ};
   // the normalizer (KeySums): the forward (den) and dq (the extra row), up to two atoms, each
   // group's copy beside its scores
   static_assert(!kNormalize || ((P == Pass::Forward || P == Pass::GradQ) && !kOneLaunch && kAtoms <= 2),
@@ -1133,6 +1172,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   float* const key_base = warp_max + 4 * kGroups + 128 * group;
   const ColumnSums keys{key_base};
   auto keys_of = [key_base](int64_t it) { return ColumnSums{key_base + 64 * int(it % 2)}; };
+  // (kLayout.row_terms) each stage slot's dO . O and den, after the key sums
+  const RowTerms<2> row_terms{warp_max + 4 * kGroups + 128 * kGroups};
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -1199,6 +1240,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 #pragma unroll
       for (int g = 0; g < kCcTiles; ++g) {
         stage.operator()<kReverse>(tile_of(slot, 2 * kAtoms + g), c_src[g], ops.c_rows().ptr, n);
+      }
+      if constexpr (kNormalize && P == Pass::GradQ) {  // (kLayout.row_terms)
+        const int64_t t0 = chunk_begin(it);
+        if (!state_only) row_terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n);
       }
     }
     StageRing<kDepth>::commit_copies();
@@ -1344,17 +1389,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
       // kNormalize, dq: the lane's rows' extra-row a (-dO[t] . O[t]) or output factor (scale /
-      // den[t]), each read where it is used (held across the chunk, the two-atom two-group
-      // instance spilled 108 bytes)
+      // den[t]), from the chunk's row terms, each read where it is used and before the slot's
+      // release (held across the chunk, the two-atom two-group instance spilled 108 bytes)
       auto dq_rows = [&](float (&values)[2], bool weights) {
-        const int64_t t0 = chunk_begin(it);
-        const int n = work.chunk_len(t0, C);
+        const float* terms = row_terms.slot(ring.slot);
+        const int n = work.chunk_len(chunk_begin(it), C);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
-          values[h] = row >= n   ? 0.f
-                      : weights ? -ops.dout_dot_out[t0 + row]
-                                : factor * __frcp_rn(ops.den[t0 + row]);
+          values[h] = row >= n ? 0.f : weights ? -terms[row] : factor * __frcp_rn(terms[64 + row]);
         }
       };
       // kNormalize: den = eps + scale (the row sum of the masked float32 scores + q . z), kept for
@@ -1472,6 +1515,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           }
         }
       }
+      float row_weights[2];  // (kNormalize, dq: the extra row's a, read before the slot's release)
+      if constexpr (kNormalize && P == Pass::GradQ) {
+        dq_rows(row_weights, true);
+        dq_rows(row_factors, false);
+      }
       if constexpr (!kStateBehindOutputs) {
         wait<0>();
         release(j);
@@ -1505,12 +1553,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
-        if constexpr (kNormalize && P == Pass::GradQ) {  // + a z, then each row times scale / den
-          float weights[2];
-          dq_rows(weights, true);
-          keys_of(it).add_scaled_to_rows(out, weights);
-          dq_rows(row_factors, false);
-        }
+        if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
         if constexpr (kNormalize) {
           store_outputs(row_factors);
         } else {
@@ -1568,11 +1611,12 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 4 + 2) * kTile);
   float* const warp_max = reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes);
   StateCopy<kHalf> copy{base + kStages * 4 * kTile, warp_max};
-  // kNormalize: dk's extra row (kExtraRowBytes): e = the sum over the chunks after this one of
-  // -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
+  // kNormalize (kNormalizedGradKVBytes): dk's extra row e = the sum over the chunks after this one
+  // of -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
   // sums' gradients (with_state_io's GradKV), and -dO[t] . O[t] is added to each kept score of
-  // V dO^T, column t
+  // V dO^T, column t. Each chunk's dO . O staged beside it (terms, a slot of either ring).
   const KeySums<kHalf, 1> extra{warp_max + 4};
+  const RowTerms<1> terms{warp_max + 4 + 64};
 
   // one launch for the segments (KernelParams::lookback): the block's work by the order blocks start
   const int64_t block =
@@ -1596,6 +1640,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
       stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
+      if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_begin(it)}, n);
     }
     StageRing<>::commit_copies();
   };
@@ -1627,6 +1672,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
                   const int n = work.chunk_len(chunk_start(it), C);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
+                  if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_start(it)}, n);
                 }
                 StageRing<>::commit_copies();
               },
@@ -1646,10 +1692,11 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     }
     return;
   }
-  // kNormalize: -dO[t] . O[t] of the chunk from t0 (the extra row's b; zero past its n rows)
-  auto extra_weight = [&](int64_t t0, int n) {
-    return [&ops = ops, t0, n](int row) { return row < n ? -ops.dout_dot_out[t0 + row] : 0.f; };
+  // kNormalize: -dO[t] . O[t] of the chunk in a ring's slot (the extra row's b; zero past its rows)
+  auto extra_weight = [&](int slot) {
+    return [dot = terms.slot(slot)](int row) { return -dot[row]; };
   };
+  static_assert(kSumDepth <= 6 && kStages <= 6, "kNormalizedGradKVBytes: the row terms' slots");
   auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
   // D += dO^T Q over the chunks of a summing walk
   // (kNormalize, state-only blocks: e += the extra row's sums as well, read by no other warp here)
@@ -1662,8 +1709,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       commit();
       if constexpr (kNormalize) {
         float sums[1][2];
-        const int64_t t0 = chunk_begin(it);
-        extra.chunk_sums(sums, sum_tile(ring.slot, 0), extra_weight(t0, work.chunk_len(t0, C)));
+        extra.chunk_sums(sums, sum_tile(ring.slot, 0), extra_weight(ring.slot));
         extra.add(sums);
       }
       wait<0>();
@@ -1744,7 +1790,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     times_state_copy<kHalf, 1>(acc, vt, copy.at);
     commit();
     float e_chunk[1][2];  // (kNormalize) this chunk's part of e, added once every warp has read e
-    const auto weight = extra_weight(t0, n);
+    const auto weight = extra_weight(ring.slot);
     if constexpr (kNormalize) extra.chunk_sums(e_chunk, qt, weight);  // while the products run
     auto add_extra_row = [&] {  // (kNormalize) the scores' columns t
       if constexpr (kNormalize) {
