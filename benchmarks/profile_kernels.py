@@ -4,8 +4,9 @@
     FAST_CAUSAL_ATTN_KERNEL=tensorcore ncu -k regex:tensorcore python benchmarks/profile_kernels.py \\
         8 16 2048 64 64 bwd bfloat16
 
-Arguments: B H L E M, then optionally `bwd` (forward and backward; `fwd` the forward alone) and a
-dtype (float32 by default).
+Arguments: B H L E M, then optionally `bwd` (forward and backward; `fwd` the forward alone), a
+dtype (float32 by default) and `normalize` (causal_linear_attention(normalize=True), on q and k
+made positive as feature maps are).
 """
 import sys
 
@@ -16,10 +17,18 @@ import fast_causal_attn
 B, H, L, E, M = (int(x) for x in sys.argv[1:6])
 backward = len(sys.argv) > 6 and sys.argv[6] == "bwd"
 dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
+normalize = len(sys.argv) > 8 and sys.argv[8] == "normalize"
 q = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
 k = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
+if normalize:
+    q, k = q.abs(), k.abs()
+q.requires_grad_(backward and normalize)
+k.requires_grad_(backward and normalize)
 v = torch.randn(B, H, L, M, device="cuda", dtype=dtype, requires_grad=backward)
-out = fast_causal_attn.causal_dot_product(q, k, v)
+if normalize:
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+else:
+    out = fast_causal_attn.causal_dot_product(q, k, v)
 if backward:
     out.backward(torch.randn_like(out))
 torch.cuda.synchronize()
