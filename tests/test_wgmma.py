@@ -2,8 +2,8 @@
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
-or the heads alone where TF32 is allowed; normalize only in the 16-bit forward up to 128 of the
-state's rows, no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
+or the heads alone where TF32 is allowed; normalize only in 16 bits, the forward and dq up to 128
+of the state's rows, dk with dv up to 64; no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
 kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
@@ -739,10 +739,11 @@ def test_float32_magnitudes_spread_within_a_tile(shape):
         assert relative_error(x, ref) <= 1e-5, name
 
 
-def states_step(q, k, v, state0, layout, scale):
-    """(out, final kv, final k_sum) of a call from state0 that returns its final state."""
-    out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=scale, layout=layout, initial_state=state0,
-                                                          return_final_state=True)
+def states_step(q, k, v, state0, layout, scale, normalize=False):
+    """(out, final kv, final k_sum) of a call from state0 (or from zeros: None) that returns its
+    final state."""
+    out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=scale, normalize=normalize, layout=layout,
+                                                          initial_state=state0, return_final_state=True)
     return out, state.kv, state.k_sum
 
 
@@ -835,13 +836,6 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
                      exact_in_float32={"final kv", "final k_sum", "grad kv0", "grad k_sum0"})
 
 
-def normalized_step(q, k, v, state0, layout, scale):
-    """(out, final kv, final k_sum) of a normalized call, from state0 (or from zeros: None)."""
-    out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=scale, normalize=True, layout=layout,
-                                                          initial_state=state0, return_final_state=True)
-    return out, state.kv, state.k_sum
-
-
 @CUDA
 @SM90
 @EXPECT_WGMMA
@@ -898,7 +892,7 @@ def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale,
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, normalize=True, generator=gen)
     state0 = list(make_state(B, H, E, M, dtype, True)) if state == "given" else []
     check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: normalized_step(q, k, v, s or None, layout, scale),
+                     lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
                      lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
                                                                    layout=layout, **kw),
                      exact_in_float32={"final kv", "final k_sum"})

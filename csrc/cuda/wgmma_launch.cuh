@@ -29,8 +29,8 @@ constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> || (std::is_same_v<scalar_t, f
 bool device_runs_sm90a();
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize only in the 16-bit forward up to two atoms (Da <= 128), no states in or out with
-// packed sequences, and
+// normalize only in the 16-bit forward and dq up to two atoms (Da <= 128) and dk with dv up to 64,
+// no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -331,8 +331,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
         if (normalize && groups == 2) {
           return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
                             : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
-        }
-        if (normalize) {
+        } else if (normalize) {
           return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
                             : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
         }

@@ -1,6 +1,6 @@
 // The chunked product on Hopper's warpgroup MMA (wgmma, sm_90a): bfloat16 and float16, the
-// state's rows and columns up to 256 (dk with dv in one pass: 128); normalize in the forward up
-// to 128 rows (KeySums), the gradients' on the mma.sync kernels. Per chunk
+// state's rows and columns up to 256 (dk with dv in one pass: 128); normalize in the forward and
+// dq up to 128 rows and in dk with dv up to 64 (KeySums, RowTerms). Per chunk
 // of C = 64 timesteps (tensorcore_product.cuh's products; at E = M = 64 one warpgroup a block):
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
@@ -24,11 +24,11 @@
 // run each pass alone (wgmma_product_kernel: the forward and dq, and dk and dv as two reverse
 // passes where E or M is above 128), and dk with dv in one reverse pass (wgmma_grad_kv_kernel,
 // wgmma_grad_kv_wide_kernel above 64), one block a (sequence, head, time segment), where
-// wgmma_takes says; the normalized backward (and states with packed sequences) stay with the
-// mma.sync kernels. A state in or out: each block starts from SegmentStart (a given start added
-// to the segments' sums) and the last in pass order writes SegmentEnd's (dk with dv in one pass:
-// the initial state's gradient transposed, run_grad_kv); the key sums beside it are
-// launch_wgmma's, but the normalized forward's, which its kernel carries (KeySums).
+// wgmma_takes says; the rest of the normalized backward (and states with packed sequences) stay
+// with the mma.sync kernels. A state in or out: each block starts from SegmentStart (a given
+// start added to the segments' sums) and the last in pass order writes SegmentEnd's (dk with dv
+// in one pass: the initial state's gradient transposed, run_grad_kv); the key sums beside it are
+// launch_wgmma's, but under normalize the kernels' own (KeySums).
 //
 // Without normalize every row factor is the constant scale (q's in the forward, the output's in
 // dq, q's again in dk and dv, which are linear in it), so rows are staged as they are and the
@@ -577,7 +577,9 @@ struct StateCopy {
 // into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
 // own sums out (SegmentEnd, state-only blocks). Accumulator layout: row row0 + 16 warp + g (+8),
 // column col0 + 8 j + 2 q4 (+1) in d[4 j ..] (row0: the row block's first, col0: the column
-// tile's); rows below Da, columns below Dc.
+// tile's); rows below Da, columns below Dc. Each of these helpers writes its own loop over the
+// layout: one shared loop (a lambda per entry) raised the dk-with-dv kernel's registers (bf16
+// 154 -> 176 with store_end's, 156 with load_start's alone; fifty-second and fifty-third sessions).
 __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
                                            int64_t Da, int64_t Dc, bool zero, int64_t row0 = 0, int64_t col0 = 0) {
   const SegmentStart<float> start(p, pair, segment, Da, Dc);
@@ -963,16 +965,8 @@ struct KeySums {
       for (int h = 0; h < 2; ++h) acc[4 * j + 2 * h] += weights[h] * x.x, acc[4 * j + 2 * h + 1] += weights[h] * x.y;
     }
   }
-  // z's entries at this lane's accumulator columns (8 j + 2 q4, + 1: an accumulator's layout,
-  // for_each_entry's) added to every row of acc.
-  __device__ void add_to_rows(float (&acc)[32]) const {
-    const int q4 = threadIdx.x % 4;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float2 x = *reinterpret_cast<const float2*>(z + 8 * j + 2 * q4);
-      acc[4 * j] += x.x, acc[4 * j + 1] += x.y, acc[4 * j + 2] += x.x, acc[4 * j + 3] += x.y;
-    }
-  }
+  // z's entries at this lane's accumulator columns added to every row of acc (dk's extra row e).
+  __device__ void add_to_rows(float (&acc)[32]) const { add_scaled_to_rows(acc, {1.f, 1.f}); }
   // An owner's columns of z below Da to `to` (the key sum's end).
   __device__ void store(float* to, int64_t Da) const {
     if (!owner()) return;
