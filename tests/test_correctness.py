@@ -7,8 +7,8 @@ import torch
 
 import fast_causal_attn
 from conftest import DEVICE_KERNELS, DEVICES, cuda_kernels_launched
-from reference import (check_state_matches_reference, gradient_magnitudes, make_inputs, make_state, reference,
-                       reference_with_grads, relative_error, time_dim)
+from reference import (STATE_TOLERANCE, check_state_matches_reference, gradient_magnitudes, make_inputs, make_state,
+                       reference, reference_with_grads, reference_with_state, relative_error, time_dim)
 
 # (B, H, L, E, M)
 SHAPES = [
@@ -128,34 +128,111 @@ def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kerne
 CUDA_KERNELS = [p for p in DEVICE_KERNELS if p.values[0] == "cuda"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("shape", [(2, 3, 67, 13, 21), (1, 2, 100, 64, 64), (2, 2, 40, 8, 8), (1, 1, 70, 3, 100)],
                          ids=shape_id)
-def test_cpu_float16_is_float32_on_the_same_values(shape, normalize, layout):
-    """float16 on the CPU loads its rows into float32 and rounds float32 results to nearest: its
-    outputs and gradients are float32's on the same float16 values, rounded, to the bit. So the
-    CPU's F16C conversions (load_row and store_row, where the CPU has them) give the software
-    conversions' values, through rows of any width (the 8-wide loop's tails), float16's subnormals
-    and values whose products overflow it. Normalized, the output alone: its gradients take the
-    saved output, float16 in one run and float32 in the other."""
+def test_cpu_16_bit_is_float32_on_the_same_values(shape, normalize, layout, dtype, monkeypatch):
+    """float16 on the CPU (and bfloat16 with its products in float32:
+    FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0) loads its rows into float32 and rounds float32 results
+    to nearest: its outputs and gradients are float32's on the same 16-bit values, rounded, to the
+    bit. So the CPU's vector conversions (load_row and store_row: F16C for float16, AVX2 for
+    bfloat16, where the CPU has them) give the software conversions' values, through rows of any
+    width (the 8-wide loops' tails), subnormals and values whose products overflow. Normalized,
+    the output alone: its gradients take the saved output, 16-bit in one run and float32 in the
+    other."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS", "0")
     B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, normalize, layout)).encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, normalize, layout, dtype)).encode()))
     q, k, v, grad_out = (torch.randn(B, H, L, D, generator=gen) for D in (E, E, M, M))
     q, k = q / E**0.5, k / E**0.5
     if normalize:  # positive features, as the feature maps give
         q, k = q.abs() + 0.1, k.abs() + 0.1
-    q[0, 0, 0, 0], k[0, 0, 1, 0], v[0, 0, 2, 0] = 6e-8, -3e-6, 60000.0  # a subnormal, another, the range's top
+    # a subnormal, another, the range's top
+    q[0, 0, 0, 0], k[0, 0, 1, 0], v[0, 0, 2, 0] = (6e-8, -3e-6, 60000.0) if dtype == torch.float16 else (1e-39, -3e-39, 3e38)
     if layout == "blhd":
         q, k, v, grad_out = (x.transpose(1, 2) for x in (q, k, v, grad_out))
-    q, k, v, grad_out = (x.half() for x in (q, k, v, grad_out))
+    q, k, v, grad_out = (x.to(dtype) for x in (q, k, v, grad_out))
     results = []
-    for dtype in (torch.float16, torch.float32):
-        inputs = [x.to(dtype).requires_grad_() for x in (q, k, v)]
+    for run_dtype in (dtype, torch.float32):
+        inputs = [x.to(run_dtype).requires_grad_() for x in (q, k, v)]
         out = fast_causal_attn.causal_linear_attention(*inputs, scale=0.7, normalize=normalize, layout=layout)
-        results.append([out.half(), *(g.half() for g in torch.autograd.grad(out, inputs, grad_out.to(dtype)))])
-    for name, half, single in list(zip(("out", "grad_q", "grad_k", "grad_v"), *results))[: 1 if normalize else 4]:
-        torch.testing.assert_close(half, single, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+        grads = torch.autograd.grad(out, inputs, grad_out.to(run_dtype))
+        results.append([out.to(dtype), *(g.to(dtype) for g in grads)])
+    for name, low, single in list(zip(("out", "grad_q", "grad_k", "grad_v"), *results))[: 1 if normalize else 4]:
+        torch.testing.assert_close(low, single, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+@pytest.mark.parametrize("shape", [(2, 3, 67, 13, 21), (1, 2, 100, 64, 64), (1, 1, 70, 33, 100)], ids=shape_id)
+def test_cpu_bfloat16_products(shape, normalize, monkeypatch):
+    """bfloat16 on the CPU with its chunk products in bfloat16 (AMX, through oneDNN's brgemm) where
+    the CPU and torch have them, by default: the outputs and gradients within the dtype's bound of
+    float64 (twice plain PyTorch's error in bfloat16) both ways, and different from the float32
+    products' (FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0) exactly where the CPU has the matrix units
+    (elsewhere the switch changes nothing). Odd widths and a partial last chunk: the products'
+    padded K."""
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, normalize)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.bfloat16, device="cpu", normalize=normalize, generator=gen)
+    grad_out = torch.randn(v.shape, generator=gen).bfloat16()
+    results = {}
+    for products in ("1", "0"):
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS", products)
+        check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="bhld")
+        inputs = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        out = fast_causal_attn.causal_linear_attention(*inputs, scale=0.7, normalize=normalize)
+        results[products] = [out, *torch.autograd.grad(out, inputs, grad_out)]
+    # (the build takes them from torch 2.13 on: csrc/cpu/causal_attn_cpu.cpp)
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    matrix_units = (version >= (2, 13) and getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+                    and getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)())
+    same = all(torch.equal(a, b) for a, b in zip(results["1"], results["0"]))
+    assert same != matrix_units, f"bfloat16 products {'not ' if matrix_units else ''}taken"
+
+
+@pytest.mark.parametrize("threads", [1, 5], ids=["dk_with_dv", "passes_apart"])
+def test_cpu_bfloat16_products_keep_the_states_exact(threads, monkeypatch):
+    """bfloat16 on the CPU (its products in bfloat16 where the CPU has them) keeps the states'
+    sums float32-exact, as the GPU's kernels keep theirs: the final state (k^T v of inputs read
+    exactly) and the initial state's gradients (dS1 + sum q'^T dO: q's scale applied in float32
+    after the products, not rounded into q) within 1e-5 of float64; the outputs and gradients
+    within bfloat16's bound. Through the dk-with-dv walk (one thread) and the passes apart (five),
+    both switch settings."""
+    B, H, L, E, M = 2, 2, 150, 40, 24
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.bfloat16, device="cpu")
+    kv0, k_sum0 = make_state(B, H, E, M, torch.bfloat16, False)
+    gen = torch.Generator().manual_seed(5)
+    g_out, g_kv, g_k_sum = (torch.randn(shape, generator=gen) for shape in (v.shape, kv0.shape, k_sum0.shape))
+    g_out = g_out.bfloat16()
+
+    def run(q, k, v, kv0, k_sum0, attend):
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, kv0, k_sum0)]
+        out, kv1, k_sum1 = attend(*leaves)
+        grads = torch.autograd.grad((out, kv1, k_sum1), leaves, (g_out.to(out.dtype), g_kv.to(kv1.dtype),
+                                                                  g_k_sum.to(k_sum1.dtype)))
+        return [out, kv1, k_sum1, *grads]
+
+    def ours(q, k, v, kv0, k_sum0):
+        out, state = fast_causal_attn.causal_linear_attention(q, k, v, scale=0.7, initial_state=(kv0, k_sum0),
+                                                              return_final_state=True)
+        return out, state.kv, state.k_sum
+
+    exact = run(*(x.double() for x in (q, k, v, kv0, k_sum0)),
+                lambda *x: reference_with_state(*x[:3], x[3:], scale=0.7))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for products in ("1", "0"):
+            monkeypatch.setenv("FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS", products)
+            results = run(q, k, v, kv0, k_sum0, ours)
+            names = ("out", "final kv", "final k_sum", "grad q", "grad k", "grad v", "grad kv0", "grad k_sum0")
+            for name, x, ref in zip(names, results, exact):
+                tolerance = STATE_TOLERANCE[torch.bfloat16] if x.dtype == torch.bfloat16 else 1e-5
+                assert relative_error(x, ref) <= tolerance, (products, name, relative_error(x, ref))
+    finally:
+        torch.set_num_threads(previous)
 
 
 @pytest.mark.usefixtures("nan_filled_outputs")

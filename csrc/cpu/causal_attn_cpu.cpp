@@ -8,15 +8,31 @@
 //     out_chunk = mask(A B^T) C + A S,   then   S += B^T C.
 // The operands are packed per chunk into contiguous accumulation-dtype buffers, which is where
 // scale, dtype conversion, layout strides and the normalize terms are applied: the products
-// themselves are plain small GEMMs. dk and dv, whose states are each other's transposes, mostly
-// run as one walk with one state (ChunkedGradKV; backward_cpu_kernel says where).
+// themselves are plain small GEMMs (float32 BLAS; bfloat16 inputs' in bfloat16 on the CPU's matrix
+// units where it has them: bf16_products). dk and dv, whose states are each other's transposes,
+// mostly run as one walk with one state (ChunkedGradKV; backward_cpu_kernel says where).
 #include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>  // F16C's conversions (load_row and store_row of float16)
+#include <immintrin.h>  // F16C's conversions (load_row and store_row of float16), AVX-512's of bfloat16
+// oneDNN's brgemm ukernel as torch exports it (at::native::cpublas::brgemm): bfloat16's products
+// on the CPU's matrix units (bf16_products). Built against torch 2.13 and newer, whose header has
+// the bfloat16 brgemm and could_pack (older ones keep every product in float32).
+#if __has_include(<ATen/native/CPUBlas.h>) && __has_include(<torch/version.h>)
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+#include <ATen/native/CPUBlas.h>
+#if defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#define FAST_CAUSAL_ATTN_BF16_PRODUCTS 1
+#endif
+#endif
+#endif
 #endif
 
 #include <ATen/ATen.h>
@@ -132,13 +148,182 @@ void mask_scores(acc_t* scores, int64_t n) {
   }
 }
 
+// bfloat16 inputs' chunk products in bfloat16 on the CPU's matrix units (AMX), where torch's oneDNN
+// has them: at::native::cpublas::brgemm sums A B in float32, A row-major and B in VNNI pairs (its
+// element (k, n) at 2 (ldb (k / 2) + n) + k % 2: each 32-bit word one column's two rows k, k + 1),
+// K even (odd ones padded with a zero row). The float32 chunk buffers are rounded to bfloat16 for
+// each product (to nearest even), as the GPU's 16-bit kernels round their operands, P and their
+// state's copy: the outputs' and gradients' error is plain PyTorch's in bfloat16 or less, and the
+// float32 states stay exact where their operands are read exactly (k and v; q with its scale
+// applied after the products: b_scale, q_scale). On the 2-core machine (Xeon, AMX) a 64 x 64 x 64
+// product took 0.81 us on one thread against float32 sgemm's 3.19; bfloat16 fwd / fwd+bwd
+// 4,8,2048,64 9.5-13.0 / 37.1 -> 7.6-8.0 / 27.0-30.4 ms, 2,8,2048,128 12.7 / 48-49 -> 8.2 / 31.5-31.8
+// (RESULTS.md, fifty-fourth session). FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0 keeps every product in
+// float32 (the tests compare the two).
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+#define FAST_CAUSAL_ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+bool cpu_has_bf16_products() {
+  static const bool has = __builtin_cpu_supports("avx512bf16") && at::native::cpublas::could_pack(at::kBFloat16);
+  return has;
+}
+
+// The mask of the first `count` of 16 lanes (none for count <= 0, all 16 from 16 on)
+inline __mmask16 first_lanes(int64_t count) {
+  return count >= 16 ? __mmask16(0xffff) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
+// 16 floats at src (the first `count`; zeros after) rounded to bfloat16 (VCVTNEPS2BF16: to nearest
+// even; subnormal floats, below 2^-126, flush to zero), as 16-bit lanes
+FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count) {
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(count), src));
+}
+
+// dst[r][j] = src[r][j] in bfloat16 for r < rows, j < cols; zeros for j in [cols, ld_dst)
+FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_rows(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
+                                            uint16_t* dst, int64_t ld_dst) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < ld_dst; j += 16) {
+      const __m256i x = j < cols ? bf16_lanes(src + r * ld_src + j, cols - j) : _mm256_setzero_si256();
+      _mm256_mask_storeu_epi16(dst + r * ld_dst + j, first_lanes(ld_dst - j), x);
+    }
+  }
+}
+
+// B (K x N, row-major at src) as VNNI pairs at dst (ldb words a pair of rows; a zero row after an
+// odd K; zeros in columns [N, ldb))
+FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs(const float* src, int64_t K, int64_t N, int64_t ld_src, uint32_t* dst,
+                                             int64_t ldb) {
+  for (int64_t i = 0; 2 * i < K; ++i) {
+    const float* even = src + 2 * i * ld_src;
+    const float* odd = 2 * i + 1 < K ? even + ld_src : nullptr;
+    for (int64_t j = 0; j < ldb; j += 16) {
+      __m512i words = _mm512_setzero_si512();
+      if (j < N) {
+        words = _mm512_cvtepu16_epi32(bf16_lanes(even + j, N - j));
+        if (odd != nullptr) words = _mm512_or_si512(words, _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_lanes(odd + j, N - j)), 16));
+      }
+      _mm512_mask_storeu_epi32(dst + i * ldb + j, first_lanes(ldb - j), words);
+    }
+  }
+}
+
+// B = X^T as VNNI pairs at dst, X (N x K, row-major at src): B's (k, n) is X's (n, k), so the word
+// (k / 2, n) is X's row n's word k / 2 in bfloat16 (zeros past K; columns [N, ldb) zeros)
+FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs_of_transpose(const float* src, int64_t N, int64_t K, int64_t ld_src,
+                                                          uint32_t* dst, int64_t ldb) {
+  const int64_t pairs = (K + 1) / 2;
+  for (int64_t i = 0; i < pairs; ++i) std::fill(dst + i * ldb + N, dst + (i + 1) * ldb, 0u);
+  const __m512i pair_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                               _mm512_set1_epi32(int(ldb)));
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = src + n * ld_src;
+    for (int64_t j = 0; j < K; j += 32) {  // words j / 2 .. j / 2 + 15 of the row, each to its pair's row
+      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_lanes(x + j, K - j)),
+                                               bf16_lanes(x + j + 16, K - j - 16), 1);
+      _mm512_mask_i32scatter_epi32(dst + (j / 2) * ldb + n, first_lanes(pairs - j / 2), pair_rows, words, 4);
+    }
+  }
+}
+
+// A (rows x cols, row-major at dst, lda) from VNNI pairs at src (ldb words a pair of rows): the
+// pairs' rows split back into two
+FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_rows_of_pairs(const uint32_t* src, int64_t rows, int64_t cols, int64_t ldb,
+                                                     uint16_t* dst, int64_t lda) {
+  for (int64_t i = 0; 2 * i < rows; ++i) {
+    for (int64_t j = 0; j < cols; j += 16) {
+      const __mmask16 lanes = first_lanes(cols - j);
+      const __m512i words = _mm512_maskz_loadu_epi32(lanes, src + i * ldb + j);
+      _mm256_mask_storeu_epi16(dst + 2 * i * lda + j, lanes, _mm512_cvtepi32_epi16(words));
+      if (2 * i + 1 < rows) {
+        _mm256_mask_storeu_epi16(dst + (2 * i + 1) * lda + j, lanes, _mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+      }
+    }
+  }
+}
+
+// C (M x N, float32, ldc) = (add_c: C +) A B, A bfloat16 rows (M x K, lda), B VNNI pairs (ldb), K even
+void bf16_product(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                  float* c, int64_t ldc, bool add_c) {
+  if (M == 0 || N == 0) return;
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add_c, reinterpret_cast<const at::BFloat16*>(a),
+                              reinterpret_cast<const at::BFloat16*>(b), c, true);
+}
+#endif
+
+// Whether a chunked product of scalar_t inputs runs its products in bfloat16: for
+// bfloat16 where the CPU and torch have them, unless FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0.
+template <typename scalar_t>
+bool bf16_products() {
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS");
+    return cpu_has_bf16_products() && !(switch_ != nullptr && std::strcmp(switch_, "0") == 0);
+  }
+#endif
+  return false;
+}
+
+// x[r][j] *= factor for r < rows, j < cols (nothing for factor 1)
+template <typename acc_t>
+void scale_rows(acc_t* x, int64_t rows, int64_t cols, int64_t ld, acc_t factor) {
+  if (factor == acc_t(1)) return;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) x[r * ld + j] *= factor;
+}
+
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+// C (M x N, float32, ldc = N) += factor A B (bf16_product's operands), the factor applied in float32
+// to the product (made in `scratch`, M x N, where factor is not 1)
+void bf16_add_product(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
+                      float factor, float* c, float* scratch) {
+  if (factor == 1.f) return bf16_product(M, N, K, a, lda, b, ldb, c, N, true);
+  bf16_product(M, N, K, a, lda, b, ldb, scratch, N, false);
+  for (int64_t i = 0; i < M * N; ++i) c[i] += factor * scratch[i];
+}
+#endif
+
+// x rounded up to even (the K of a bfloat16 product: VNNI pairs)
+constexpr int64_t even(int64_t x) { return x + (x & 1); }
+
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+// A chunk's scores (n x n, rows kChunk apart) = mask(factor A B^T) for A and B of n rows of D
+// (float32, D apart), in bfloat16: A's rows into a16 (even(D) apart), B^T's pairs into bt_pairs
+// (kChunk words a pair of rows), both left there for the chunk's other products
+template <bool REVERSE>
+void bf16_masked_scores(const float* a, const float* b, int64_t n, int64_t D, float factor, uint16_t* a16,
+                        uint32_t* bt_pairs, float* scores) {
+  const int64_t d2 = even(D);
+  bf16_rows(a, n, D, D, a16, d2);
+  bf16_pairs_of_transpose(b, n, D, D, bt_pairs, kChunk);
+  bf16_product(n, n, d2, a16, d2, bt_pairs, kChunk, scores, kChunk, false);
+  scale_rows(scores, n, n, kChunk, factor);
+  mask_scores<REVERSE>(scores, n);
+}
+#endif
+
 // Packed chunk operands and the running state of one causal product.
 template <typename acc_t>
 class ChunkedCausalProduct {
  public:
-  ChunkedCausalProduct(int64_t a_cols, int64_t c_cols)
+  // bf16: the products in bfloat16 (bf16_products; a float32 accumulator only). b_scale: b's
+  // constant factor (dv's q' = scale q), which the packer applies (b_factor()), or with bfloat16
+  // products the products do, in float32 (the scores, and the state's update: b reaches the
+  // products as read, so that the state's sums stay float32-exact where b and c are, as the GPU's
+  // reverse passes keep them).
+  ChunkedCausalProduct(int64_t a_cols, int64_t c_cols, bool bf16 = false, acc_t b_scale = acc_t(1))
       : da_(a_cols), dc_(c_cols), a_(kChunk * a_cols), b_(kChunk * a_cols), c_(kChunk * c_cols),
-        scores_(kChunk * kChunk), out_(kChunk * c_cols), state_(a_cols * c_cols, acc_t(0)) {}
+        scores_(kChunk * kChunk), out_(kChunk * c_cols), state_(a_cols * c_cols, acc_t(0)),
+        bf16_(bf16 && std::is_same_v<acc_t, float> && a_cols * c_cols > kMaxRecurrentState), b_scale_(b_scale) {
+    if (bf16_) {
+      const int64_t da2 = even(da_), dc2 = even(dc_);
+      a16_.resize(kChunk * da2), p16_.resize(kChunk * kChunk), bt16_.resize(da_ * kChunk);
+      bt_pairs_.resize(da2 / 2 * kChunk), c_pairs_.resize(kChunk / 2 * dc2), s_pairs_.resize(da2 / 2 * dc2);
+      if (b_scale_ != acc_t(1)) state_update_.resize(da_ * dc_);
+    }
+  }
+  // The multiplier the packer applies to b's rows
+  acc_t b_factor() const { return bf16_ ? acc_t(1) : b_scale_; }
 
   acc_t* a_row(int64_t r) { return a_.data() + r * da_; }
   acc_t* b_row(int64_t r) { return b_.data() + r * da_; }
@@ -157,6 +342,9 @@ class ChunkedCausalProduct {
       step<REVERSE>(n);
       unpack(t0, n);
     });
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+    if (bf16_) at::native::cpublas::brgemm_release(true);  // (the matrix units' state)
+#endif
   }
 
  private:
@@ -166,6 +354,11 @@ class ChunkedCausalProduct {
       if (!fixed_step<REVERSE>(n)) recurrent_step<REVERSE>(n);
       return;
     }
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (bf16_) return bf16_step<REVERSE>(n);
+    }
+#endif
     acc_t* scores = scores_.data();
     small_gemm<acc_t>(false, true, n, n, da_, a_.data(), da_, b_.data(), da_, acc_t(0), scores, kChunk);
     mask_scores<REVERSE>(scores, n);
@@ -173,6 +366,23 @@ class ChunkedCausalProduct {
     small_gemm<acc_t>(false, false, n, dc_, n, scores, kChunk, c_.data(), dc_, acc_t(1), out_.data(), dc_);
     small_gemm<acc_t>(true, false, da_, dc_, n, b_.data(), da_, c_.data(), dc_, acc_t(1), state_.data(), dc_);
   }
+
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+  // step's products in bfloat16 (bf16_products): a and P as rows, b^T, c and the state as pairs.
+  template <bool REVERSE>
+  void bf16_step(int64_t n) {
+    const int64_t np = even(n), da2 = even(da_), dc2 = even(dc_);
+    acc_t* scores = scores_.data();
+    bf16_masked_scores<REVERSE>(a_.data(), b_.data(), n, da_, b_scale_, a16_.data(), bt_pairs_.data(), scores);
+    bf16_pairs(state_.data(), da_, dc_, dc_, s_pairs_.data(), dc2);
+    bf16_product(n, dc_, da2, a16_.data(), da2, s_pairs_.data(), dc2, out_.data(), dc_, false);
+    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
+    bf16_pairs(c_.data(), n, dc_, dc_, c_pairs_.data(), dc2);
+    bf16_product(n, dc_, np, p16_.data(), kChunk, c_pairs_.data(), dc2, out_.data(), dc_, true);
+    bf16_rows_of_pairs(bt_pairs_.data(), da_, np, kChunk, bt16_.data(), kChunk);  // b^T, the state's A
+    bf16_add_product(da_, dc_, np, bt16_.data(), kChunk, c_pairs_.data(), dc2, b_scale_, state_.data(), state_update_.data());
+  }
+#endif
 
   // The same chunk one timestep at a time: S += b[i] c[i]^T, out[i] = a[i] S. 4 Da Dc flops a
   // timestep against the GEMMs' 2 kChunk (Da + Dc) + 4 Da Dc, and no BLAS call overheads: the
@@ -247,6 +457,11 @@ class ChunkedCausalProduct {
 
   int64_t da_, dc_;
   std::vector<acc_t> a_, b_, c_, scores_, out_, state_;
+  bool bf16_;  // (bf16_step) its operands: rows, and VNNI pairs (ldb kChunk for b^T, even(dc) else)
+  acc_t b_scale_;
+  std::vector<uint16_t> a16_, p16_, bt16_;
+  std::vector<uint32_t> bt_pairs_, c_pairs_, s_pairs_;
+  std::vector<acc_t> state_update_;  // (b_scale_ != 1) b^T c, before its factor (bf16_add_product)
 };
 
 // dk and dv of one sequence in one walk back in time. Their states are each other's transposes:
@@ -259,9 +474,23 @@ class ChunkedCausalProduct {
 template <typename acc_t>
 class ChunkedGradKV {
  public:
-  ChunkedGradKV(int64_t E, int64_t M, int64_t Mg)
+  // bf16: the products in bfloat16 (bf16_products; a float32 accumulator only). q_scale: q's
+  // constant factor (q' = scale q), applied by the packer (q_factor()) or, with bfloat16 products,
+  // by the products in float32 (ChunkedCausalProduct's b_scale: the state's sums stay exact).
+  ChunkedGradKV(int64_t E, int64_t M, int64_t Mg, bool bf16 = false, acc_t q_scale = acc_t(1))
       : e_(E), m_(M), mg_(Mg), q_(kChunk * E), k_(kChunk * E), g_(kChunk * Mg), v_(kChunk * Mg),
-        scores_(kChunk * kChunk), dk_(kChunk * E), dv_(kChunk * M), state_(E * Mg, acc_t(0)) {}
+        scores_(kChunk * kChunk), dk_(kChunk * E), dv_(kChunk * M), state_(E * Mg, acc_t(0)),
+        bf16_(bf16 && std::is_same_v<acc_t, float>), q_scale_(q_scale) {
+    if (bf16_) {
+      const int64_t e2 = even(e_), mg2 = even(mg_);
+      k16_.resize(kChunk * e2), v16_.resize(kChunk * mg2), p16_.resize(kChunk * kChunk), qt16_.resize(e_ * kChunk);
+      qt_pairs_.resize(e2 / 2 * kChunk), gt_pairs_.resize(mg2 / 2 * kChunk), s_pairs_.resize(e2 / 2 * mg2);
+      st_pairs_.resize(mg2 / 2 * e2), g_pairs_.resize(kChunk / 2 * mg2), q_pairs_.resize(kChunk / 2 * e2);
+      if (q_scale_ != acc_t(1)) state_update_.resize(e_ * mg_);
+    }
+  }
+  // The multiplier the packer applies to q's rows
+  acc_t q_factor() const { return bf16_ ? acc_t(1) : q_scale_; }
 
   acc_t* q_row(int64_t r) { return q_.data() + r * e_; }   // q'
   acc_t* k_row(int64_t r) { return k_.data() + r * e_; }
@@ -282,10 +511,18 @@ class ChunkedGradKV {
       step(n);
       unpack(t0, n);
     });
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+    if (bf16_) at::native::cpublas::brgemm_release(true);
+#endif
   }
 
  private:
   void step(int64_t n) {
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+    if constexpr (std::is_same_v<acc_t, float>) {
+      if (bf16_) return bf16_step(n);
+    }
+#endif
     acc_t* scores = scores_.data();
     acc_t* state = state_.data();
     small_gemm<acc_t>(false, true, n, n, e_, k_.data(), e_, q_.data(), e_, acc_t(0), scores, kChunk);
@@ -299,8 +536,37 @@ class ChunkedGradKV {
     small_gemm<acc_t>(true, false, e_, mg_, n, q_.data(), e_, g_.data(), mg_, acc_t(1), state, mg_);
   }
 
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+  // step's products in bfloat16 (bf16_products): k, v, the scores and q^T as rows; q^T, g^T, S,
+  // S^T, g and q as pairs.
+  void bf16_step(int64_t n) {
+    const int64_t np = even(n), e2 = even(e_), mg2 = even(mg_);
+    acc_t* scores = scores_.data();
+    acc_t* state = state_.data();
+    bf16_masked_scores<true>(k_.data(), q_.data(), n, e_, q_scale_, k16_.data(), qt_pairs_.data(), scores);
+    bf16_pairs(state, e_, mg_, mg_, s_pairs_.data(), mg2);
+    bf16_product(n, m_, e2, k16_.data(), e2, s_pairs_.data(), mg2, dv_.data(), m_, false);
+    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
+    bf16_pairs(g_.data(), n, mg_, mg_, g_pairs_.data(), mg2);
+    bf16_product(n, m_, np, p16_.data(), kChunk, g_pairs_.data(), mg2, dv_.data(), m_, true);
+    bf16_masked_scores<true>(v_.data(), g_.data(), n, mg_, q_scale_, v16_.data(), gt_pairs_.data(), scores);  // (q's factor: P q')
+    bf16_pairs_of_transpose(state, e_, mg_, mg_, st_pairs_.data(), e2);
+    bf16_product(n, e_, mg2, v16_.data(), mg2, st_pairs_.data(), e2, dk_.data(), e_, false);
+    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
+    bf16_pairs(q_.data(), n, e_, e_, q_pairs_.data(), e2);
+    bf16_product(n, e_, np, p16_.data(), kChunk, q_pairs_.data(), e2, dk_.data(), e_, true);
+    bf16_rows_of_pairs(qt_pairs_.data(), e_, np, kChunk, qt16_.data(), kChunk);  // q^T, the state's A
+    bf16_add_product(e_, mg_, np, qt16_.data(), kChunk, g_pairs_.data(), mg2, q_scale_, state, state_update_.data());
+  }
+#endif
+
   int64_t e_, m_, mg_;
   std::vector<acc_t> q_, k_, g_, v_, scores_, dk_, dv_, state_;
+  bool bf16_;  // (bf16_step) its operands
+  acc_t q_scale_;
+  std::vector<uint16_t> k16_, v16_, p16_, qt16_;
+  std::vector<uint32_t> qt_pairs_, gt_pairs_, s_pairs_, st_pairs_, g_pairs_, q_pairs_;
+  std::vector<acc_t> state_update_;  // (q_scale_ != 1) q^T [g, c], before its factor (bf16_add_product)
 };
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -336,6 +602,43 @@ __attribute__((target("avx,f16c"))) int64_t store_halves_f16c(const float* src, 
   }
   return i;
 }
+
+// bfloat16 rows the same way, eight at a time with AVX2's integer lanes, where the CPU has them:
+// c10::BFloat16's conversions, loop for loop (a bfloat16 is a float's top 16 bits; the float
+// rounds to nearest even as c10's round_to_nearest_even does, NaN to 0x7fc0). The scalar loops
+// took 14% of a bfloat16 forward's samples at 4,8,2048,64 (perf, fifty-fourth session).
+bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+
+__attribute__((target("avx2"))) int64_t load_bfloat16_avx2(const c10::BFloat16* src, int64_t n, float multiplier, float* dst) {
+  const __m256 scale = _mm256_set1_ps(multiplier);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(scale, _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16))));
+  }
+  return i;
+}
+
+__attribute__((target("avx2"))) int64_t store_bfloat16_avx2(const float* src, int64_t n, float multiplier, c10::BFloat16* dst) {
+  const __m256 scale = _mm256_set1_ps(multiplier);
+  const __m256i one = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff), nan = _mm256_set1_epi32(0x7fc0);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_mul_ps(scale, _mm256_loadu_ps(src + i));
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+    __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(bias, lsb)), 16);
+    rounded = _mm256_blendv_epi8(rounded, nan, _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+    // the eight 32-bit lanes (each below 2^16) to 16 bits: packed within 128-bit halves, then the
+    // halves' low quarters brought together
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(rounded, rounded), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
+  return i;
+}
 #endif
 
 template <typename scalar_t, typename acc_t>
@@ -344,6 +647,9 @@ void load_row(const scalar_t* src, int64_t n, acc_t multiplier, acc_t* dst) {
 #ifdef FAST_CAUSAL_ATTN_F16C
   if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
     if (cpu_has_f16c()) i = load_halves_f16c(src, n, multiplier, dst);
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (cpu_has_avx2()) i = load_bfloat16_avx2(src, n, multiplier, dst);
   }
 #endif
   for (; i < n; ++i) dst[i] = multiplier * static_cast<acc_t>(src[i]);
@@ -355,6 +661,9 @@ void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
 #ifdef FAST_CAUSAL_ATTN_F16C
   if constexpr (std::is_same_v<scalar_t, c10::Half> && std::is_same_v<acc_t, float>) {
     if (cpu_has_f16c()) i = store_halves_f16c(src, n, multiplier, dst);
+  }
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (cpu_has_avx2()) i = store_bfloat16_avx2(src, n, multiplier, dst);
   }
 #endif
   for (; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
@@ -411,7 +720,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
       // With normalize (or a final state to return), c carries a column of ones: its output is the
       // denominator's q' . sum k, its state the sum of k.
       const bool ones = p.normalize || p.final_k_sum != nullptr;
-      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones);
+      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones, bf16_products<scalar_t>());
       if (const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * p.M)) {
         const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
         for (int64_t e = 0; e < p.E; ++e) {
@@ -530,6 +839,7 @@ struct SequenceGrads {
   const acc_t* k_sum0;
   const acc_t* dkv1;
   const acc_t* dk_sum1;
+  const bool bf16;  // the products in bfloat16 (bf16_products)
 
   SequenceGrads(const BackwardParams& p_, int64_t pair)
       : p(p_), seq(Sequence::of(p_, pair)), q(p_.q, seq), k(p_.k, seq), v(p_.v, seq), dout(p_.dout, seq),
@@ -537,7 +847,7 @@ struct SequenceGrads {
         scale(static_cast<acc_t>(p_.scale)), E(p_.E), M(p_.M), Mg(p_.M + p_.normalize),
         kv0(state_slice<acc_t>(p_.initial_kv, seq, E * M)), k_sum0(state_slice<acc_t>(p_.initial_k_sum, seq, E)),
         dkv1(state_slice<acc_t>(p_.grad_final_kv, seq, E * M)),
-        dk_sum1(state_slice<acc_t>(p_.grad_final_k_sum, seq, E)) {}
+        dk_sum1(state_slice<acc_t>(p_.grad_final_k_sum, seq, E)), bf16(bf16_products<scalar_t>()) {}
 
   // g = dO / den under normalize, plain dO otherwise.
   acc_t inv_den(int64_t t) const { return p.normalize ? acc_t(1) / den[t] : acc_t(1); }
@@ -577,7 +887,7 @@ struct SequenceGrads {
 
   // dq = scale * ([g, c][t] . ([S0^T; z0^T] + sum_{s<=t} [v, 1][s] k[s]^T))
   void grad_q(int64_t c0, int64_t cw) const {
-    ChunkedCausalProduct<acc_t> prod(Mg, cw);
+    ChunkedCausalProduct<acc_t> prod(Mg, cw, bf16);
     if (kv0 != nullptr) set_transposed(prod, kv0, k_sum0, c0, cw);
     const Rows<scalar_t> dq(p.dq, seq);
     prod.template run<false>(
@@ -596,7 +906,7 @@ struct SequenceGrads {
 
   // dk = [v, 1][s] . ([dS1^T; dz1^T] + sum_{t>=s} [g, c][t] q'[t]^T)
   void grad_k(int64_t c0, int64_t cw) const {
-    ChunkedCausalProduct<acc_t> prod(Mg, cw);
+    ChunkedCausalProduct<acc_t> prod(Mg, cw, bf16);
     if (dkv1 != nullptr) set_transposed(prod, dkv1, dk_sum1, c0, cw);
     const acc_t* add = dk_add();
     const Rows<scalar_t> dk(p.dk, seq);
@@ -617,7 +927,7 @@ struct SequenceGrads {
 
   // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
   void grad_v(int64_t c0, int64_t cw) const {
-    ChunkedCausalProduct<acc_t> prod(E, cw);
+    ChunkedCausalProduct<acc_t> prod(E, cw, bf16, scale);
     if (dkv1 != nullptr) {
       for (int64_t e = 0; e < E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
     }
@@ -627,7 +937,7 @@ struct SequenceGrads {
         [&](int64_t t0, int64_t n) {
           for (int64_t r = 0; r < n; ++r) {
             load_row(k[t0 + r], E, acc_t(1), prod.a_row(r));
-            load_row(q[t0 + r], E, scale, prod.b_row(r));
+            load_row(q[t0 + r], E, prod.b_factor(), prod.b_row(r));
             load_row(dout[t0 + r] + c0, cw, inv_den(t0 + r), prod.c_row(r));  // g's columns only
           }
         },
@@ -641,7 +951,7 @@ struct SequenceGrads {
 
   // grad_k and grad_v over all columns, in one walk (ChunkedGradKV)
   void grad_kv() const {
-    ChunkedGradKV<acc_t> prod(E, M, Mg);
+    ChunkedGradKV<acc_t> prod(E, M, Mg, bf16, scale);
     if (dkv1 != nullptr) {
       for (int64_t e = 0; e < E; ++e) {
         std::copy(dkv1 + e * M, dkv1 + (e + 1) * M, prod.state_row(e));
@@ -654,7 +964,7 @@ struct SequenceGrads {
         seq.length,
         [&](int64_t t0, int64_t n) {
           for (int64_t r = 0; r < n; ++r) {
-            load_row(q[t0 + r], E, scale, prod.q_row(r));
+            load_row(q[t0 + r], E, prod.q_factor(), prod.q_row(r));
             load_row(k[t0 + r], E, acc_t(1), prod.k_row(r));
             load_grad(t0 + r, prod.g_row(r));
             load_v_ones(t0 + r, prod.v_row(r));
