@@ -68,6 +68,13 @@ constexpr int64_t kChunk = 32;
 // 2026-11-30): E = M = 8, B,H,L = 2,2,256: 0.049 / 0.143 by GEMMs, 0.026-0.037 / 0.074-0.092 one step
 // at a time; E = 16, M = 24: 0.050 / 0.14 by GEMMs, 0.094 / 0.29 one step at a time (state 384).
 constexpr int64_t kMaxRecurrentState = 128;
+// States of fewer elements (Da x Dc) keep bfloat16's products in float32 (bf16_products): on the
+// 2-core machine (bf16 ms, fwd / fwd+bwd, products in bfloat16 / float32, two runs each; RESULTS.md,
+// fifty-fourth session) B,H,L,E,M = 8,8,1024,32,32 (states 32 x 32 and 33) 3.85-4.18 /
+// 16.9-17.6 against 3.85-4.02 / 15.9-16.8, where at 64 x 64 and above they gained: 4,8,2048,64
+// 8.0-8.6 / 32.6-33.9 against 10.0-10.7 / 37.1-40.1, 2,8,2048,128 9.1-10.7 / 39.1-43.2 against
+// 13.4-14.5 / 48.5-52.5.
+constexpr int64_t kMinBf16State = 64 * 64;
 // A column block narrower than this spends more on recomputing mask(A B^T) than it gains in
 // parallelism.
 constexpr int64_t kMinColumnsPerBlock = 32;
@@ -152,14 +159,17 @@ void mask_scores(acc_t* scores, int64_t n) {
 // has them: at::native::cpublas::brgemm sums A B in float32, A row-major and B in VNNI pairs (its
 // element (k, n) at 2 (ldb (k / 2) + n) + k % 2: each 32-bit word one column's two rows k, k + 1),
 // K even (odd ones padded with a zero row). The float32 chunk buffers are rounded to bfloat16 for
-// each product (to nearest even), as the GPU's 16-bit kernels round their operands, P and their
-// state's copy: the outputs' and gradients' error is plain PyTorch's in bfloat16 or less, and the
-// float32 states stay exact where their operands are read exactly (k and v; q with its scale
-// applied after the products: b_scale, q_scale). On the 2-core machine (Xeon, AMX) a 64 x 64 x 64
-// product took 0.81 us on one thread against float32 sgemm's 3.19; bfloat16 fwd / fwd+bwd
-// 4,8,2048,64 9.5-13.0 / 37.1 -> 7.6-8.0 / 27.0-30.4 ms, 2,8,2048,128 12.7 / 48-49 -> 8.2 / 31.5-31.8
-// (RESULTS.md, fifty-fourth session). FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0 keeps every product in
-// float32 (the tests compare the two).
+// each product (to nearest even), as the GPU's 16-bit kernels round their operands and P; the
+// state, as theirs, in two parts (bf16_lanes: with one, the output's error was 2.9e-3 against
+// float32 products' 1.7e-3, over the 2.3e-3; with two 1.7-1.9e-3). The float32 states
+// stay exact where their operands are read exactly (k and v; q with its scale applied after the
+// products: a_scale, b_scale, q_scale). On the 2-core machine (Xeon, AMX) a 64 x 64 x 64 product
+// took 0.81 us on one thread against float32 sgemm's 3.19, but 32-row products run far below
+// that (32 x 128 x 128: 2.1 us); bfloat16 fwd / fwd+bwd ms against float32 products, three runs
+// each: 4,8,2048,64 7.2-8.8 / 29.6-32.7 against 10.2-11.7 / 40.2-42.6; 2,8,2048,128 10.7-11.5 /
+// 42.4-52.4 against 13.8-14.5 / 52.2-54.2 (RESULTS.md, fifty-fourth session; kMinBf16State: where
+// they pay). FAST_CAUSAL_ATTN_CPU_BF16_PRODUCTS=0 keeps every product in float32 (the tests
+// compare the two).
 #ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
 #define FAST_CAUSAL_ATTN_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
@@ -178,50 +188,83 @@ inline __mmask16 first_lanes(int64_t count) {
 FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count) {
   return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(count), src));
 }
+// The same 16 floats as two bfloat16 parts, hi (returned) and lo = x - hi rounded (into *lo, where
+// given): the state's copy, whose one rounding alone put bfloat16's error over the bound on
+// the GPU (RESULTS.md, tenth session; MmaTraits::kStateParts)
+FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count, __m256i* lo) {
+  const __m512 x = _mm512_maskz_loadu_ps(first_lanes(count), src);
+  const __m256i hi = (__m256i)_mm512_cvtneps_pbh(x);
+  if (lo != nullptr) {
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+    *lo = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back));
+  }
+  return hi;
+}
 
-// dst[r][j] = src[r][j] in bfloat16 for r < rows, j < cols; zeros for j in [cols, ld_dst)
+// dst[r][j] = src[r][j] in bfloat16 for r < rows, j < cols; zeros for j in [cols, width)
 FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_rows(const float* src, int64_t rows, int64_t cols, int64_t ld_src,
-                                            uint16_t* dst, int64_t ld_dst) {
+                                            uint16_t* dst, int64_t ld_dst, int64_t width) {
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < ld_dst; j += 16) {
+    for (int64_t j = 0; j < width; j += 16) {
       const __m256i x = j < cols ? bf16_lanes(src + r * ld_src + j, cols - j) : _mm256_setzero_si256();
-      _mm256_mask_storeu_epi16(dst + r * ld_dst + j, first_lanes(ld_dst - j), x);
+      _mm256_mask_storeu_epi16(dst + r * ld_dst + j, first_lanes(width - j), x);
     }
   }
 }
 
+// Two 16-lane halves of bfloat16 as 16 words: a word lane i the halves' lanes i, low (`low`) and
+// high (`high`) 16 bits
+FAST_CAUSAL_ATTN_AVX512_BF16 inline __m512i interleaved(__m256i low, __m256i high) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(low), _mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16));
+}
+
+// Two 16-lane halves of bfloat16 one after the other: 32 bfloat16, as 16 words a pair of them each
+FAST_CAUSAL_ATTN_AVX512_BF16 inline __m512i concatenated(__m256i first, __m256i second) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+}
+
 // B (K x N, row-major at src) as VNNI pairs at dst (ldb words a pair of rows; a zero row after an
-// odd K; zeros in columns [N, ldb))
+// odd K; zeros in columns [N, ldb)); with `lo`, B as two parts: dst its rounding, lo the remainder
+// (bf16_lanes)
 FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs(const float* src, int64_t K, int64_t N, int64_t ld_src, uint32_t* dst,
-                                             int64_t ldb) {
+                                             int64_t ldb, uint32_t* lo = nullptr) {
   for (int64_t i = 0; 2 * i < K; ++i) {
     const float* even = src + 2 * i * ld_src;
     const float* odd = 2 * i + 1 < K ? even + ld_src : nullptr;
     for (int64_t j = 0; j < ldb; j += 16) {
-      __m512i words = _mm512_setzero_si512();
+      __m256i hi0 = _mm256_setzero_si256(), hi1 = hi0, lo0 = hi0, lo1 = hi0;
       if (j < N) {
-        words = _mm512_cvtepu16_epi32(bf16_lanes(even + j, N - j));
-        if (odd != nullptr) words = _mm512_or_si512(words, _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16_lanes(odd + j, N - j)), 16));
+        hi0 = bf16_lanes(even + j, N - j, lo ? &lo0 : nullptr);
+        if (odd != nullptr) hi1 = bf16_lanes(odd + j, N - j, lo ? &lo1 : nullptr);
       }
-      _mm512_mask_storeu_epi32(dst + i * ldb + j, first_lanes(ldb - j), words);
+      const __mmask16 lanes = first_lanes(ldb - j);
+      _mm512_mask_storeu_epi32(dst + i * ldb + j, lanes, interleaved(hi0, hi1));
+      if (lo != nullptr) _mm512_mask_storeu_epi32(lo + i * ldb + j, lanes, interleaved(lo0, lo1));
     }
   }
 }
 
 // B = X^T as VNNI pairs at dst, X (N x K, row-major at src): B's (k, n) is X's (n, k), so the word
-// (k / 2, n) is X's row n's word k / 2 in bfloat16 (zeros past K; columns [N, ldb) zeros)
+// (k / 2, n) is X's row n's word k / 2 in bfloat16 (zeros past K; columns [N, ldb) zeros); with
+// `lo`, as two parts (bf16_pairs)
 FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs_of_transpose(const float* src, int64_t N, int64_t K, int64_t ld_src,
-                                                          uint32_t* dst, int64_t ldb) {
+                                                          uint32_t* dst, int64_t ldb, uint32_t* lo = nullptr) {
   const int64_t pairs = (K + 1) / 2;
-  for (int64_t i = 0; i < pairs; ++i) std::fill(dst + i * ldb + N, dst + (i + 1) * ldb, 0u);
+  for (int64_t i = 0; i < pairs; ++i) {
+    std::fill(dst + i * ldb + N, dst + (i + 1) * ldb, 0u);
+    if (lo != nullptr) std::fill(lo + i * ldb + N, lo + (i + 1) * ldb, 0u);
+  }
   const __m512i pair_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(int(ldb)));
   for (int64_t n = 0; n < N; ++n) {
     const float* x = src + n * ld_src;
     for (int64_t j = 0; j < K; j += 32) {  // words j / 2 .. j / 2 + 15 of the row, each to its pair's row
-      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(bf16_lanes(x + j, K - j)),
-                                               bf16_lanes(x + j + 16, K - j - 16), 1);
-      _mm512_mask_i32scatter_epi32(dst + (j / 2) * ldb + n, first_lanes(pairs - j / 2), pair_rows, words, 4);
+      __m256i lo0, lo1;
+      const __m256i hi0 = bf16_lanes(x + j, K - j, lo ? &lo0 : nullptr);
+      const __m256i hi1 = bf16_lanes(x + j + 16, K - j - 16, lo ? &lo1 : nullptr);
+      const __mmask16 rows = first_lanes(pairs - j / 2);
+      _mm512_mask_i32scatter_epi32(dst + (j / 2) * ldb + n, rows, pair_rows, concatenated(hi0, hi1), 4);
+      if (lo != nullptr) _mm512_mask_i32scatter_epi32(lo + (j / 2) * ldb + n, rows, pair_rows, concatenated(lo0, lo1), 4);
     }
   }
 }
@@ -287,42 +330,73 @@ void bf16_add_product(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_
 constexpr int64_t even(int64_t x) { return x + (x & 1); }
 
 #ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
-// A chunk's scores (n x n, rows kChunk apart) = mask(factor A B^T) for A and B of n rows of D
-// (float32, D apart), in bfloat16: A's rows into a16 (even(D) apart), B^T's pairs into bt_pairs
-// (kChunk words a pair of rows), both left there for the chunk's other products
-template <bool REVERSE>
-void bf16_masked_scores(const float* a, const float* b, int64_t n, int64_t D, float factor, uint16_t* a16,
-                        uint32_t* bt_pairs, float* scores) {
-  const int64_t d2 = even(D);
-  bf16_rows(a, n, D, D, a16, d2);
-  bf16_pairs_of_transpose(b, n, D, D, bt_pairs, kChunk);
-  bf16_product(n, n, d2, a16, d2, bt_pairs, kChunk, scores, kChunk, false);
-  scale_rows(scores, n, n, kChunk, factor);
-  mask_scores<REVERSE>(scores, n);
-}
+// The bfloat16 operands of a chunk's out = mask(A B^T) C + A S (both directions, dv's and dk's in
+// the joint walk), in one product of K = 2 even(D) + n: out = [A, A, P] [S_hi; S_lo; C], the state
+// in two parts (bf16_lanes) and P the masked scores; one brgemm call where three took a quarter
+// more time at E = 64 (2.70 against 3.39 us a chunk with the scores and the state's update, one
+// thread of the 2-core machine, fifty-fourth session).
+//   rows:  n x (2 even(D) + kChunk): A, A again, P (kChunk = the ld of the scores' B^T pairs)
+//   pairs: [S_hi; S_lo; C], even(D) / 2, even(D) / 2 and kChunk / 2 pair rows of ldb words
+struct Bf16Chunk {
+  int64_t d2, ld, ldb;  // even(D), the rows' width, the pairs' (even of the outputs' width)
+  std::vector<uint16_t> rows;
+  std::vector<uint32_t> pairs, bt_pairs;  // (bt_pairs: B^T's, the scores' B, kChunk words a pair row)
+  Bf16Chunk() = default;
+  Bf16Chunk(int64_t D, int64_t width)
+      : d2(even(D)), ld(2 * even(D) + kChunk), ldb(even(width)), rows(kChunk * ld), pairs((d2 + kChunk / 2) * ldb),
+        bt_pairs(d2 / 2 * kChunk) {}
+  uint32_t* state_pairs() { return pairs.data(); }
+  uint32_t* c_pairs() { return pairs.data() + d2 * ldb; }
+  // The chunk's scores (n x n, rows kChunk apart) = mask(factor A B^T) for A and B of n rows of D
+  // (float32, D apart): A's rows into `rows` twice, B^T into bt_pairs
+  template <bool REVERSE>
+  void masked_scores(const float* a, const float* b, int64_t n, int64_t D, float factor, float* scores) {
+    bf16_rows(a, n, D, D, rows.data(), ld, d2);
+    bf16_rows(a, n, D, D, rows.data() + d2, ld, d2);
+    bf16_pairs_of_transpose(b, n, D, D, bt_pairs.data(), kChunk);
+    bf16_product(n, n, d2, rows.data(), ld, bt_pairs.data(), kChunk, scores, kChunk, false);
+    scale_rows(scores, n, n, kChunk, factor);
+    mask_scores<REVERSE>(scores, n);
+  }
+  // out (n x N, ld N) = [A, A, P] [S_hi; S_lo; C] for the state (D x width, float32, ld width) and C
+  // (n x width, ld width): the first N columns
+  void times(const float* scores, const float* state, const float* c, int64_t n, int64_t D, int64_t width,
+             int64_t N, float* out) {
+    const int64_t np = even(n);
+    bf16_rows(scores, n, n, kChunk, rows.data() + 2 * d2, ld, np);
+    bf16_pairs(state, D, width, width, state_pairs(), ldb, state_pairs() + d2 / 2 * ldb);
+    bf16_pairs(c, n, width, width, c_pairs(), ldb);
+    bf16_product(n, N, 2 * d2 + np, rows.data(), ld, pairs.data(), ldb, out, N, false);
+  }
+};
 #endif
 
 // Packed chunk operands and the running state of one causal product.
 template <typename acc_t>
 class ChunkedCausalProduct {
  public:
-  // bf16: the products in bfloat16 (bf16_products; a float32 accumulator only). b_scale: b's
-  // constant factor (dv's q' = scale q), which the packer applies (b_factor()), or with bfloat16
-  // products the products do, in float32 (the scores, and the state's update: b reaches the
-  // products as read, so that the state's sums stay float32-exact where b and c are, as the GPU's
-  // reverse passes keep them).
-  ChunkedCausalProduct(int64_t a_cols, int64_t c_cols, bool bf16 = false, acc_t b_scale = acc_t(1))
+  // bf16: the products in bfloat16 (bf16_products; a float32 accumulator only). a_scale, b_scale:
+  // a's and b's constant factors (the forward's q' = scale q; dv's), which the packer applies
+  // (a_factor(), b_factor()), or with bfloat16 products the products do, in float32 (the outputs;
+  // the scores and the state's update): the operands reach the products as read, so that the
+  // state's sums stay float32-exact where b and c are (as the GPU's reverse passes keep them), and
+  // q' is not rounded to bfloat16 (as the GPU's passes multiply their outputs).
+  ChunkedCausalProduct(int64_t a_cols, int64_t c_cols, bool bf16 = false, acc_t a_scale = acc_t(1),
+                       acc_t b_scale = acc_t(1))
       : da_(a_cols), dc_(c_cols), a_(kChunk * a_cols), b_(kChunk * a_cols), c_(kChunk * c_cols),
         scores_(kChunk * kChunk), out_(kChunk * c_cols), state_(a_cols * c_cols, acc_t(0)),
-        bf16_(bf16 && std::is_same_v<acc_t, float> && a_cols * c_cols > kMaxRecurrentState), b_scale_(b_scale) {
+        bf16_(bf16 && std::is_same_v<acc_t, float> && a_cols * c_cols >= kMinBf16State), a_scale_(a_scale),
+        b_scale_(b_scale) {
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
     if (bf16_) {
-      const int64_t da2 = even(da_), dc2 = even(dc_);
-      a16_.resize(kChunk * da2), p16_.resize(kChunk * kChunk), bt16_.resize(da_ * kChunk);
-      bt_pairs_.resize(da2 / 2 * kChunk), c_pairs_.resize(kChunk / 2 * dc2), s_pairs_.resize(da2 / 2 * dc2);
+      chunk_ = Bf16Chunk(da_, dc_);
+      bt16_.resize(da_ * kChunk);
       if (b_scale_ != acc_t(1)) state_update_.resize(da_ * dc_);
     }
+#endif
   }
-  // The multiplier the packer applies to b's rows
+  // The multipliers the packer applies to a's and b's rows
+  acc_t a_factor() const { return bf16_ ? acc_t(1) : a_scale_; }
   acc_t b_factor() const { return bf16_ ? acc_t(1) : b_scale_; }
 
   acc_t* a_row(int64_t r) { return a_.data() + r * da_; }
@@ -368,19 +442,18 @@ class ChunkedCausalProduct {
   }
 
 #ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
-  // step's products in bfloat16 (bf16_products): a and P as rows, b^T, c and the state as pairs.
+  // step's products in bfloat16 (bf16_products, Bf16Chunk), then the state's update b^T c (b^T's
+  // rows from the scores' pairs).
   template <bool REVERSE>
   void bf16_step(int64_t n) {
-    const int64_t np = even(n), da2 = even(da_), dc2 = even(dc_);
+    const int64_t np = even(n);
     acc_t* scores = scores_.data();
-    bf16_masked_scores<REVERSE>(a_.data(), b_.data(), n, da_, b_scale_, a16_.data(), bt_pairs_.data(), scores);
-    bf16_pairs(state_.data(), da_, dc_, dc_, s_pairs_.data(), dc2);
-    bf16_product(n, dc_, da2, a16_.data(), da2, s_pairs_.data(), dc2, out_.data(), dc_, false);
-    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
-    bf16_pairs(c_.data(), n, dc_, dc_, c_pairs_.data(), dc2);
-    bf16_product(n, dc_, np, p16_.data(), kChunk, c_pairs_.data(), dc2, out_.data(), dc_, true);
-    bf16_rows_of_pairs(bt_pairs_.data(), da_, np, kChunk, bt16_.data(), kChunk);  // b^T, the state's A
-    bf16_add_product(da_, dc_, np, bt16_.data(), kChunk, c_pairs_.data(), dc2, b_scale_, state_.data(), state_update_.data());
+    chunk_.masked_scores<REVERSE>(a_.data(), b_.data(), n, da_, b_scale_, scores);
+    chunk_.times(scores, state_.data(), c_.data(), n, da_, dc_, dc_, out_.data());
+    scale_rows(out_.data(), n, dc_, dc_, a_scale_);
+    bf16_rows_of_pairs(chunk_.bt_pairs.data(), da_, np, kChunk, bt16_.data(), kChunk);  // b^T
+    bf16_add_product(da_, dc_, np, bt16_.data(), kChunk, chunk_.c_pairs(), chunk_.ldb, b_scale_, state_.data(),
+                     state_update_.data());
   }
 #endif
 
@@ -457,11 +530,13 @@ class ChunkedCausalProduct {
 
   int64_t da_, dc_;
   std::vector<acc_t> a_, b_, c_, scores_, out_, state_;
-  bool bf16_;  // (bf16_step) its operands: rows, and VNNI pairs (ldb kChunk for b^T, even(dc) else)
-  acc_t b_scale_;
-  std::vector<uint16_t> a16_, p16_, bt16_;
-  std::vector<uint32_t> bt_pairs_, c_pairs_, s_pairs_;
+  bool bf16_;  // (bf16_step)
+  acc_t a_scale_, b_scale_;
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+  Bf16Chunk chunk_;
+  std::vector<uint16_t> bt16_;       // b^T's rows
   std::vector<acc_t> state_update_;  // (b_scale_ != 1) b^T c, before its factor (bf16_add_product)
+#endif
 };
 
 // dk and dv of one sequence in one walk back in time. Their states are each other's transposes:
@@ -480,14 +555,14 @@ class ChunkedGradKV {
   ChunkedGradKV(int64_t E, int64_t M, int64_t Mg, bool bf16 = false, acc_t q_scale = acc_t(1))
       : e_(E), m_(M), mg_(Mg), q_(kChunk * E), k_(kChunk * E), g_(kChunk * Mg), v_(kChunk * Mg),
         scores_(kChunk * kChunk), dk_(kChunk * E), dv_(kChunk * M), state_(E * Mg, acc_t(0)),
-        bf16_(bf16 && std::is_same_v<acc_t, float>), q_scale_(q_scale) {
+        bf16_(bf16 && std::is_same_v<acc_t, float> && E * Mg >= kMinBf16State), q_scale_(q_scale) {
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
     if (bf16_) {
-      const int64_t e2 = even(e_), mg2 = even(mg_);
-      k16_.resize(kChunk * e2), v16_.resize(kChunk * mg2), p16_.resize(kChunk * kChunk), qt16_.resize(e_ * kChunk);
-      qt_pairs_.resize(e2 / 2 * kChunk), gt_pairs_.resize(mg2 / 2 * kChunk), s_pairs_.resize(e2 / 2 * mg2);
-      st_pairs_.resize(mg2 / 2 * e2), g_pairs_.resize(kChunk / 2 * mg2), q_pairs_.resize(kChunk / 2 * e2);
-      if (q_scale_ != acc_t(1)) state_update_.resize(e_ * mg_);
+      dv_chunk_ = Bf16Chunk(E, Mg), dk_chunk_ = Bf16Chunk(Mg, E);
+      state_t_.resize(Mg * E), qt16_.resize(E * kChunk), gt16_.resize(Mg * kChunk);
+      if (q_scale_ != acc_t(1)) state_update_.resize(E * Mg);
     }
+#endif
   }
   // The multiplier the packer applies to q's rows
   acc_t q_factor() const { return bf16_ ? acc_t(1) : q_scale_; }
@@ -506,6 +581,12 @@ class ChunkedGradKV {
   // [t0, t0 + n); unpack(t0, n) reads the same rows of dk and dv.
   template <class Pack, class Unpack>
   void run(int64_t L, Pack&& pack, Unpack&& unpack) {
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+    if (bf16_) {  // S^T from the start state
+      for (int64_t e = 0; e < e_; ++e)
+        for (int64_t m = 0; m < mg_; ++m) state_t_[m * e_ + e] = state_[e * mg_ + m];
+    }
+#endif
     walk_chunks<true>(L, [&](int64_t t0, int64_t n) {
       pack(t0, n);
       step(n);
@@ -537,36 +618,36 @@ class ChunkedGradKV {
   }
 
 #ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
-  // step's products in bfloat16 (bf16_products): k, v, the scores and q^T as rows; q^T, g^T, S,
-  // S^T, g and q as pairs.
+  // step's products in bfloat16 (bf16_products): dv = k S + P g and dk = v S^T + P' q' (Bf16Chunk),
+  // then the state and its transpose S^T (kept beside it in float32, where its bfloat16 pairs
+  // were a scatter a pair of S's columns: bf16_pairs_of_transpose took the most of any step at E =
+  // 128) updated by q'^T g and g^T q' (q^T's and g^T's rows from the scores' pairs).
   void bf16_step(int64_t n) {
-    const int64_t np = even(n), e2 = even(e_), mg2 = even(mg_);
+    const int64_t np = even(n);
     acc_t* scores = scores_.data();
-    acc_t* state = state_.data();
-    bf16_masked_scores<true>(k_.data(), q_.data(), n, e_, q_scale_, k16_.data(), qt_pairs_.data(), scores);
-    bf16_pairs(state, e_, mg_, mg_, s_pairs_.data(), mg2);
-    bf16_product(n, m_, e2, k16_.data(), e2, s_pairs_.data(), mg2, dv_.data(), m_, false);
-    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
-    bf16_pairs(g_.data(), n, mg_, mg_, g_pairs_.data(), mg2);
-    bf16_product(n, m_, np, p16_.data(), kChunk, g_pairs_.data(), mg2, dv_.data(), m_, true);
-    bf16_masked_scores<true>(v_.data(), g_.data(), n, mg_, q_scale_, v16_.data(), gt_pairs_.data(), scores);  // (q's factor: P q')
-    bf16_pairs_of_transpose(state, e_, mg_, mg_, st_pairs_.data(), e2);
-    bf16_product(n, e_, mg2, v16_.data(), mg2, st_pairs_.data(), e2, dk_.data(), e_, false);
-    bf16_rows(scores, n, n, kChunk, p16_.data(), kChunk);
-    bf16_pairs(q_.data(), n, e_, e_, q_pairs_.data(), e2);
-    bf16_product(n, e_, np, p16_.data(), kChunk, q_pairs_.data(), e2, dk_.data(), e_, true);
-    bf16_rows_of_pairs(qt_pairs_.data(), e_, np, kChunk, qt16_.data(), kChunk);  // q^T, the state's A
-    bf16_add_product(e_, mg_, np, qt16_.data(), kChunk, g_pairs_.data(), mg2, q_scale_, state, state_update_.data());
+    dv_chunk_.masked_scores<true>(k_.data(), q_.data(), n, e_, q_scale_, scores);
+    dv_chunk_.times(scores, state_.data(), g_.data(), n, e_, mg_, m_, dv_.data());
+    dk_chunk_.masked_scores<true>(v_.data(), g_.data(), n, mg_, q_scale_, scores);  // (q's factor: P q')
+    dk_chunk_.times(scores, state_t_.data(), q_.data(), n, mg_, e_, e_, dk_.data());
+    bf16_rows_of_pairs(dv_chunk_.bt_pairs.data(), e_, np, kChunk, qt16_.data(), kChunk);  // q^T
+    bf16_add_product(e_, mg_, np, qt16_.data(), kChunk, dv_chunk_.c_pairs(), dv_chunk_.ldb, q_scale_, state_.data(),
+                     state_update_.data());
+    bf16_rows_of_pairs(dk_chunk_.bt_pairs.data(), mg_, np, kChunk, gt16_.data(), kChunk);  // g^T
+    bf16_add_product(mg_, e_, np, gt16_.data(), kChunk, dk_chunk_.c_pairs(), dk_chunk_.ldb, q_scale_, state_t_.data(),
+                     state_update_.data());
   }
 #endif
 
   int64_t e_, m_, mg_;
   std::vector<acc_t> q_, k_, g_, v_, scores_, dk_, dv_, state_;
-  bool bf16_;  // (bf16_step) its operands
+  bool bf16_;  // (bf16_step)
   acc_t q_scale_;
-  std::vector<uint16_t> k16_, v16_, p16_, qt16_;
-  std::vector<uint32_t> qt_pairs_, gt_pairs_, s_pairs_, st_pairs_, g_pairs_, q_pairs_;
-  std::vector<acc_t> state_update_;  // (q_scale_ != 1) q^T [g, c], before its factor (bf16_add_product)
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
+  Bf16Chunk dv_chunk_, dk_chunk_;
+  std::vector<acc_t> state_t_;      // S^T (Mg x E)
+  std::vector<uint16_t> qt16_, gt16_;  // q^T's and g^T's rows
+  std::vector<acc_t> state_update_;  // (q_scale_ != 1) a state's update before its factor (bf16_add_product)
+#endif
 };
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -720,7 +801,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
       // With normalize (or a final state to return), c carries a column of ones: its output is the
       // denominator's q' . sum k, its state the sum of k.
       const bool ones = p.normalize || p.final_k_sum != nullptr;
-      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones, bf16_products<scalar_t>());
+      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones, bf16_products<scalar_t>(), scale);
       if (const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * p.M)) {
         const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
         for (int64_t e = 0; e < p.E; ++e) {
@@ -732,7 +813,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
           seq.length,
           [&](int64_t t0, int64_t n) {
             for (int64_t r = 0; r < n; ++r) {
-              load_row(q[t0 + r], p.E, scale, prod.a_row(r));
+              load_row(q[t0 + r], p.E, prod.a_factor(), prod.a_row(r));
               load_row(k[t0 + r], p.E, acc_t(1), prod.b_row(r));
               load_row(v[t0 + r] + m0, mw, acc_t(1), prod.c_row(r));
               if (ones) prod.c_row(r)[mw] = acc_t(1);
@@ -927,7 +1008,7 @@ struct SequenceGrads {
 
   // dv = k[s] . (dS1 + sum_{t>=s} q'[t] g[t]^T)
   void grad_v(int64_t c0, int64_t cw) const {
-    ChunkedCausalProduct<acc_t> prod(E, cw, bf16, scale);
+    ChunkedCausalProduct<acc_t> prod(E, cw, bf16, acc_t(1), scale);
     if (dkv1 != nullptr) {
       for (int64_t e = 0; e < E; ++e) std::copy(dkv1 + e * M + c0, dkv1 + e * M + c0 + cw, prod.state_row(e));
     }
