@@ -26,8 +26,21 @@ def packed_case(layout, normalize, dtype, lengths=LENGTHS, H=2, E=6, M=7, device
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 def test_packed_equals_each_sequence_alone(layout, normalize, dtype, device, kernel, use_kernel):
     use_kernel(kernel)
-    q, k, v, cu = packed_case(layout, normalize, dtype, device=device)
-    N, H, E, M = len(LENGTHS), 2, 6, 7
+    check_packed_equals_each_sequence_alone(layout, normalize, dtype, device, E=6, M=7)
+
+
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_packed_equals_each_sequence_alone_cpu_bfloat16_products(normalize):
+    """The same at a state that takes the CPU's bfloat16 products where it has the matrix units
+    (64 x 64 elements or more; test_cpu_bfloat16_products), with its empty, one-step and partial
+    chunks."""
+    check_packed_equals_each_sequence_alone("bhld", normalize, torch.bfloat16, "cpu", E=64, M=72)
+
+
+def check_packed_equals_each_sequence_alone(layout, normalize, dtype, device, E, M):
+    H = 2
+    q, k, v, cu = packed_case(layout, normalize, dtype, H=H, E=E, M=M, device=device)
+    N = len(LENGTHS)
     state0 = [x.to(device) for x in make_state(N, H, E, M, dtype, normalize)]
     kw = dict(scale=0.8, normalize=normalize, layout=layout)
 
