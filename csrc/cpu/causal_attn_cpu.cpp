@@ -750,14 +750,28 @@ void store_row(const acc_t* src, int64_t n, acc_t multiplier, scalar_t* dst) {
   for (; i < n; ++i) dst[i] = static_cast<scalar_t>(multiplier * src[i]);
 }
 
-// Column blocks of width D split so that the `tasks` independent products (one per (batch, head)
-// and pass) give every thread about two work items, but none narrower than kMinColumnsPerBlock.
+// Column blocks of width D for `tasks` independent products (one per (batch, head) and pass): the
+// count that gives the busiest thread the least work, none narrower than kMinColumnsPerBlock. A
+// thread's work is its items, each 1 / count of a product plus what a block does not shrink (the
+// scores mask(A B^T) and A's rows, recomputed by every block: kUnsplitShare of a product). It was
+// two items a thread: where the items already fill the threads evenly (two (batch, head) pairs on
+// two threads) or a thread takes several blocks of one product, the blocks only recomputed the
+// scores. On the 2-core machine (forward ms, two runs each, the old rule / this one; RESULTS.md,
+// fifty-fourth session): bf16 1,2,8192,64 3.8-4.1 / 2.5-3.0, 1,1,8192,128 5.3-5.7 / 3.5-3.8,
+// 2,1,4096,256 11.1-12.2 / 8.2-9.3; float32 3.5-4.4 / 2.6-3.4, 6.8-8.0 / 4.9-5.1, 14.3-15.2 /
+// 11.5-14.2. Three products on two threads still take two blocks each (six items), as before.
+constexpr double kUnsplitShare = 0.25;
 struct ColumnBlocks {
   int64_t count, width;
   ColumnBlocks(int64_t D, int64_t tasks) {
-    const int64_t wanted = (2 * at::get_num_threads() + tasks - 1) / tasks;
-    const int64_t most = (D + kMinColumnsPerBlock - 1) / kMinColumnsPerBlock;
-    count = std::max<int64_t>(1, std::min(wanted, most));
+    const int64_t threads = at::get_num_threads();
+    const int64_t most = std::max<int64_t>(1, (D + kMinColumnsPerBlock - 1) / kMinColumnsPerBlock);
+    count = 1;
+    double least = 0;
+    for (int64_t c = 1; c <= most; ++c) {
+      const double busiest = double((tasks * c + threads - 1) / threads) * (1.0 / double(c) + kUnsplitShare);
+      if (c == 1 || busiest < least - 1e-9) least = busiest, count = c;
+    }
     width = (D + count - 1) / count;
     count = (D + width - 1) / width;
   }
