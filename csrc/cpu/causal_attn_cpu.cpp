@@ -184,14 +184,11 @@ inline __mmask16 first_lanes(int64_t count) {
 }
 
 // 16 floats at src (the first `count`; zeros after) rounded to bfloat16 (VCVTNEPS2BF16: to nearest
-// even; subnormal floats, below 2^-126, flush to zero), as 16-bit lanes
-FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count) {
-  return (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(first_lanes(count), src));
-}
-// The same 16 floats as two bfloat16 parts, hi (returned) and lo = x - hi rounded (into *lo, where
-// given): the state's copy, whose one rounding alone put bfloat16's error over the bound on
-// the GPU (RESULTS.md, tenth session; MmaTraits::kStateParts)
-FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count, __m256i* lo) {
+// even; subnormal floats, below 2^-126, flush to zero), as 16-bit lanes; with `lo`, as two parts,
+// hi (returned) and lo = x - hi rounded (into *lo): the state's copy, whose one rounding alone put
+// bfloat16's error over the bound on the GPU (RESULTS.md, tenth session;
+// MmaTraits::kStateParts)
+FAST_CAUSAL_ATTN_AVX512_BF16 inline __m256i bf16_lanes(const float* src, int64_t count, __m256i* lo = nullptr) {
   const __m512 x = _mm512_maskz_loadu_ps(first_lanes(count), src);
   const __m256i hi = (__m256i)_mm512_cvtneps_pbh(x);
   if (lo != nullptr) {
@@ -245,26 +242,18 @@ FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs(const float* src, int64_t K, int64_
 }
 
 // B = X^T as VNNI pairs at dst, X (N x K, row-major at src): B's (k, n) is X's (n, k), so the word
-// (k / 2, n) is X's row n's word k / 2 in bfloat16 (zeros past K; columns [N, ldb) zeros); with
-// `lo`, as two parts (bf16_pairs)
+// (k / 2, n) is X's row n's word k / 2 in bfloat16 (zeros past K; columns [N, ldb) zeros)
 FAST_CAUSAL_ATTN_AVX512_BF16 void bf16_pairs_of_transpose(const float* src, int64_t N, int64_t K, int64_t ld_src,
-                                                          uint32_t* dst, int64_t ldb, uint32_t* lo = nullptr) {
+                                                          uint32_t* dst, int64_t ldb) {
   const int64_t pairs = (K + 1) / 2;
-  for (int64_t i = 0; i < pairs; ++i) {
-    std::fill(dst + i * ldb + N, dst + (i + 1) * ldb, 0u);
-    if (lo != nullptr) std::fill(lo + i * ldb + N, lo + (i + 1) * ldb, 0u);
-  }
+  for (int64_t i = 0; i < pairs; ++i) std::fill(dst + i * ldb + N, dst + (i + 1) * ldb, 0u);
   const __m512i pair_rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                                _mm512_set1_epi32(int(ldb)));
   for (int64_t n = 0; n < N; ++n) {
     const float* x = src + n * ld_src;
     for (int64_t j = 0; j < K; j += 32) {  // words j / 2 .. j / 2 + 15 of the row, each to its pair's row
-      __m256i lo0, lo1;
-      const __m256i hi0 = bf16_lanes(x + j, K - j, lo ? &lo0 : nullptr);
-      const __m256i hi1 = bf16_lanes(x + j + 16, K - j - 16, lo ? &lo1 : nullptr);
-      const __mmask16 rows = first_lanes(pairs - j / 2);
-      _mm512_mask_i32scatter_epi32(dst + (j / 2) * ldb + n, rows, pair_rows, concatenated(hi0, hi1), 4);
-      if (lo != nullptr) _mm512_mask_i32scatter_epi32(lo + (j / 2) * ldb + n, rows, pair_rows, concatenated(lo0, lo1), 4);
+      const __m512i words = concatenated(bf16_lanes(x + j, K - j), bf16_lanes(x + j + 16, K - j - 16));
+      _mm512_mask_i32scatter_epi32(dst + (j / 2) * ldb + n, first_lanes(pairs - j / 2), pair_rows, words, 4);
     }
   }
 }
@@ -307,15 +296,14 @@ bool bf16_products() {
   return false;
 }
 
+#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
 // x[r][j] *= factor for r < rows, j < cols (nothing for factor 1)
-template <typename acc_t>
-void scale_rows(acc_t* x, int64_t rows, int64_t cols, int64_t ld, acc_t factor) {
-  if (factor == acc_t(1)) return;
+void scale_rows(float* x, int64_t rows, int64_t cols, int64_t ld, float factor) {
+  if (factor == 1.f) return;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; ++j) x[r * ld + j] *= factor;
 }
 
-#ifdef FAST_CAUSAL_ATTN_BF16_PRODUCTS
 // C (M x N, float32, ldc = N) += factor A B (bf16_product's operands), the factor applied in float32
 // to the product (made in `scratch`, M x N, where factor is not 1)
 void bf16_add_product(int64_t M, int64_t N, int64_t K, const uint16_t* a, int64_t lda, const uint32_t* b, int64_t ldb,
@@ -348,11 +336,11 @@ struct Bf16Chunk {
   uint32_t* state_pairs() { return pairs.data(); }
   uint32_t* c_pairs() { return pairs.data() + d2 * ldb; }
   // The chunk's scores (n x n, rows kChunk apart) = mask(factor A B^T) for A and B of n rows of D
-  // (float32, D apart): A's rows into `rows` twice, B^T into bt_pairs
+  // (float32, D apart): A's rows into `rows` (converted once, then copied beside), B^T into bt_pairs
   template <bool REVERSE>
   void masked_scores(const float* a, const float* b, int64_t n, int64_t D, float factor, float* scores) {
     bf16_rows(a, n, D, D, rows.data(), ld, d2);
-    bf16_rows(a, n, D, D, rows.data() + d2, ld, d2);
+    for (int64_t r = 0; r < n; ++r) std::copy_n(rows.data() + r * ld, d2, rows.data() + r * ld + d2);
     bf16_pairs_of_transpose(b, n, D, D, bt_pairs.data(), kChunk);
     bf16_product(n, n, d2, rows.data(), ld, bt_pairs.data(), kChunk, scores, kChunk, false);
     scale_rows(scores, n, n, kChunk, factor);
@@ -805,6 +793,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
   const int64_t pairs = p.num_seqs * p.H;
   const ColumnBlocks blocks(p.M, pairs);
   const acc_t scale = static_cast<acc_t>(p.scale), eps = static_cast<acc_t>(p.eps);
+  const bool bf16 = bf16_products<scalar_t>();  // (once a call: it reads the environment)
   at::parallel_for(0, pairs * blocks.count, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const Sequence seq = Sequence::of(p, item / blocks.count);
@@ -815,7 +804,7 @@ void forward_cpu_kernel(const ForwardParams& p) {
       // With normalize (or a final state to return), c carries a column of ones: its output is the
       // denominator's q' . sum k, its state the sum of k.
       const bool ones = p.normalize || p.final_k_sum != nullptr;
-      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones, bf16_products<scalar_t>(), scale);
+      ChunkedCausalProduct<acc_t> prod(p.E, mw + ones, bf16, scale);
       if (const acc_t* kv0 = state_slice<acc_t>(p.initial_kv, seq, p.E * p.M)) {
         const acc_t* k_sum0 = state_slice<acc_t>(p.initial_k_sum, seq, p.E);
         for (int64_t e = 0; e < p.E; ++e) {
@@ -934,15 +923,15 @@ struct SequenceGrads {
   const acc_t* k_sum0;
   const acc_t* dkv1;
   const acc_t* dk_sum1;
-  const bool bf16;  // the products in bfloat16 (bf16_products)
+  const bool bf16;  // the products in bfloat16 (bf16_products, asked once a call)
 
-  SequenceGrads(const BackwardParams& p_, int64_t pair)
+  SequenceGrads(const BackwardParams& p_, int64_t pair, bool bf16_)
       : p(p_), seq(Sequence::of(p_, pair)), q(p_.q, seq), k(p_.k, seq), v(p_.v, seq), dout(p_.dout, seq),
         o(p_.o, seq), den(p_.normalize ? static_cast<const acc_t*>(p_.den) + seq.row(p_.L, p_.H, 0) : nullptr),
         scale(static_cast<acc_t>(p_.scale)), E(p_.E), M(p_.M), Mg(p_.M + p_.normalize),
         kv0(state_slice<acc_t>(p_.initial_kv, seq, E * M)), k_sum0(state_slice<acc_t>(p_.initial_k_sum, seq, E)),
         dkv1(state_slice<acc_t>(p_.grad_final_kv, seq, E * M)),
-        dk_sum1(state_slice<acc_t>(p_.grad_final_k_sum, seq, E)), bf16(bf16_products<scalar_t>()) {}
+        dk_sum1(state_slice<acc_t>(p_.grad_final_k_sum, seq, E)), bf16(bf16_) {}
 
   // g = dO / den under normalize, plain dO otherwise.
   acc_t inv_den(int64_t t) const { return p.normalize ? acc_t(1) / den[t] : acc_t(1); }
@@ -1100,10 +1089,11 @@ struct SequenceGrads {
 template <typename scalar_t>
 void backward_cpu_kernel(const BackwardParams& p) {
   const int64_t pairs = p.num_seqs * p.H;
+  const bool bf16 = bf16_products<scalar_t>();  // (once a call: it reads the environment)
   if (p.E * p.M > kMaxRecurrentState && 2 * pairs >= at::get_num_threads()) {
     at::parallel_for(0, 2 * pairs, 1, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
-        const SequenceGrads<scalar_t> grads(p, item / 2);
+        const SequenceGrads<scalar_t> grads(p, item / 2, bf16);
         if (item % 2 == 0) {
           grads.grad_kv();
         } else {
@@ -1121,7 +1111,7 @@ void backward_cpu_kernel(const BackwardParams& p) {
       if (local >= dq_items) { kind = 1; local -= dq_items; }
       if (kind == 1 && local >= dk_items) { kind = 2; local -= dk_items; }
       const ColumnBlocks& blocks = kind == 2 ? m_blocks : e_blocks;
-      const SequenceGrads<scalar_t> grads(p, local / blocks.count);
+      const SequenceGrads<scalar_t> grads(p, local / blocks.count, bf16);
       const int64_t c0 = (local % blocks.count) * blocks.width;
       const int64_t cw = std::min(blocks.width, (kind == 2 ? p.M : p.E) - c0);
       if (kind == 0) {
