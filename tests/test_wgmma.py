@@ -2,8 +2,9 @@
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
-or the heads alone where TF32 is allowed; normalize only in 16 bits, the forward and dq up to 128
-of the state's rows, dk with dv up to 64; no states in or out with packed sequences; on devices of compute capability 9.0 when the build's arch list
+or the heads alone where TF32 is allowed; normalize only in 16 bits, the forward and dq (four
+atoms on two warpgroups), dk with dv in one pass; no states in or out with packed sequences; on
+devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
 kernels are taken where the dispatcher says run where FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the
@@ -841,28 +842,43 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
-                                   (1, 3, 333, 128, 40)], ids=shape_id)
+                                   (1, 3, 333, 128, 40), (2, 1, 150, 40, 96), (1, 2, 300, 256, 72),
+                                   (1, 1, 260, 160, 200)], ids=shape_id)
 def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
-    """The 16-bit normalized forward runs on wgmma_product_kernel up to 128 of the state's rows (one
-    or two atoms, one warpgroup or two), in segments through the state-only launch and the scan
-    (its one-launch segments carry no key sums), and on no mma.sync kernel; in its backward dq on
-    wgmma_product_kernel where M is up to 128 (the extra row beside), dk with dv in one pass on
-    wgmma_grad_kv_kernel where E and M are up to 64 (q / den staged, the extra row beside), the
-    rest on the mma.sync kernels."""
+    """The 16-bit normalized forward runs on wgmma_product_kernel (one or two atoms on one warpgroup
+    or two; four, above 128 of the state's rows, split between two), in segments through the
+    state-only launch and the scan (its one-launch segments carry no key sums), and on no mma.sync
+    kernel; in its backward dq on wgmma_product_kernel (the extra row beside) with the same
+    instances, dk with dv in one pass on wgmma_grad_kv_kernel where E and M are up to 64 and on
+    wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 on the
+    mma.sync kernels. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
+    one-warpgroup instance has the normalizer)."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
+
+    def atoms(D):
+        return 1 if D <= 64 else 2 if D <= 128 else 4
+
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
-    assert any("wgmma_product_kernel" in n for n in names), names
+    assert wgmma_instances(names) == {("0", atoms(E), 2 if atoms(E) == 4 or M > 64 else 1)}, names
     assert any("scan_segments" in n for n in names), names
     assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
     with cuda_kernels_launched() as names:
         torch.autograd.grad(out.float().sum(), (q, k, v))
-    fused = E <= 64 and M <= 64
-    assert any("wgmma_grad_kv_kernel" in n for n in names) == fused, names
-    assert any("wgmma_product_kernel<(fast_causal_attn::cuda::Pass)1" in n for n in names) == (M <= 128), names
-    assert any("tensorcore_product_kernel" in n for n in names) == (not fused or M > 128), names
+    narrow, fused = E <= 64 and M <= 64, E <= 128 and M <= 128
+    assert any("wgmma_grad_kv_kernel" in n for n in names) == narrow, names
+    assert any("wgmma_grad_kv_wide_kernel" in n for n in names) == (fused and not narrow), names
+    dq = {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
+    assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
+    assert any("tensorcore_product_kernel" in n for n in names) == (not fused), names
+    if E > 128 or M > 128:  # no normalized instance of one warpgroup at four atoms: mma.sync there
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", "1")
+        with cuda_kernels_launched() as names:
+            out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        assert any("tensorcore_product_kernel" in n for n in names) == (E > 128), names
+        assert {i[1] for i in wgmma_instances(names)} <= {1, 2}, names
 
 
 @CUDA
@@ -873,15 +889,17 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("segments", ["1", "3"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
-                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8)], ids=shape_id)
+                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8), (2, 1, 150, 40, 96),
+                                   (1, 2, 300, 256, 72), (1, 1, 260, 160, 200)], ids=shape_id)
 def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale, state, dtype, monkeypatch):
     """normalize=True with the forward on the wgmma kernels where the build has them (the key sum
     entering each chunk, den from the row sums of the masked scores as rounded for P Cc and q . z,
     each output row times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den
-    and kept segment starts read by the backward (dq on wgmma at M <= 128 and dk with dv in one
-    wgmma pass at E, M <= 64, the extra row beside, q / den staged; the rest on mma.sync): in 1 or
-    3 time segments (the key sums' state-only sums and scan), one atom or two, one warpgroup or
-    two, partial chunks, E != M, both layouts, scale 1 and 0.7, from zeros or a given state with
+    and kept segment starts read by the backward (dq on wgmma and dk with dv in one wgmma pass at
+    E, M <= 128, the extra row beside, q / den staged; the rest on mma.sync): in 1 or 3 time
+    segments (the key sums' state-only sums and scan), one atom or two, one warpgroup or two, four
+    atoms with the state's rows split between two (their row sums added; a partial last atom),
+    partial chunks, E != M, both layouts, scale 1 and 0.7, from zeros or a given state with
     the final state out (check_state_call:
     the final state within 1e-5; the initial state's gradients held to the outputs' tolerance, the
     normalized backward making them from the 16-bit output read back, dO . O, and from q / den

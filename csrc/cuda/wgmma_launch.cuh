@@ -28,9 +28,16 @@ constexpr bool kWgmmaPass = kWgmmaInput<scalar_t> || (std::is_same_v<scalar_t, f
 // Whether the device is of compute capability 9.0 (where an sm_90a binary runs), asked once per device.
 bool device_runs_sm90a();
 
+// Whether FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 forces one warpgroup a block on the 16-bit passes (for
+// measuring; launch_wgmma_kernels).
+inline bool wgmma_one_group_forced() {
+  const char* groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
+  return groups != nullptr && std::strcmp(groups, "1") == 0;
+}
+
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize only in the 16-bit forward and dq up to two atoms (Da <= 128) and dk with dv up to 64,
-// no states in or out with packed sequences, and
+// normalize only in the 16-bit forward and dq (at four atoms on two warpgroups) and dk with dv in
+// one pass, no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -83,11 +90,11 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // two. float32: Da and Dc in tiles of 64, up to four (RowTileSums).
     constexpr int64_t kMax = P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0) return false;
-    // Normalize: the 16-bit forward and dq up to two atoms (their kernel's KeySums), and dk with
-    // dv in one pass up to 64 (wgmma_grad_kv_kernel's kNormalize); the rest on mma.sync.
-    if (p.normalize && (kFloat || (P == Pass::Forward || P == Pass::GradQ ? Da > 128
-                                   : P == Pass::GradKV                  ? Da > 64 || Dc > 64
-                                                                        : true))) {
+    // Normalize: the 16-bit forward and dq (their kernel's KeySums; at four atoms only with the
+    // state's rows split between two warpgroups), and dk with dv in one pass up to 128
+    // (wgmma_grad_kv_kernel's and the wide kernel's kNormalize); the rest on mma.sync.
+    if (p.normalize && (kFloat || (P == Pass::Forward || P == Pass::GradQ ? Da > 128 && wgmma_one_group_forced()
+                                                                          : P != Pass::GradKV))) {
       return false;
     }
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
@@ -299,13 +306,12 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
   const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
-  const char* forced_groups = std::getenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS");
-  const bool one_group = forced_groups && std::strcmp(forced_groups, "1") == 0;
+  const bool one_group = wgmma_one_group_forced();
   const int groups = !kFloat && P != Pass::GradKV && !one_group &&
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq up to two atoms, dk with dv up to 64)
+  const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq, four atoms on two groups; dk with dv)
   const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize,
                                     normalize && P == Pass::GradQ};
   const int64_t tile_columns = C * layout.cc_tiles();
@@ -323,14 +329,15 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
-      if (normalize) return wgmma_grad_kv_kernel<scalar_t, false, true>;  // (not wide: wgmma_takes)
+      if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
       (void)row_parts;
-      if constexpr (P == Pass::Forward || P == Pass::GradQ) {  // the normalizer's instances (up to two atoms)
+      if constexpr (P == Pass::Forward || P == Pass::GradQ) {  // the normalizer's instances (four atoms: two groups)
         if (normalize && groups == 2) {
-          return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
-                            : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
+          return atoms == 4   ? wgmma_product_kernel<P, scalar_t, 4, 2, false, true>
+                 : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
+                              : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
         } else if (normalize) {
           return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
                             : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
@@ -364,7 +371,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                       : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts)
-                      : wide                ? wgmma::smem_bytes(8, 8, 2, 2)
+                      : wide                ? wgmma::smem_bytes(8, 8, 2, 2) + (normalize ? wgmma::kNormalizedWideBytes : 0)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kNormalizedGradKVBytes : 0)
                                           : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
@@ -433,11 +440,12 @@ inline at::TensorOptions float_options() {
 
 // The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
 // fixed order (bit for bit repeatable). Each block sums `slab` timesteps of one (sequence, head),
-// four columns a thread (E a multiple of 4 and rows in 16-byte vectors: wgmma_takes), its rows
-// at once as far as 256 threads go, then adds its row groups in order; with one slab a pair it
-// adds the given start and writes the end itself, else its slab's sums into `partials` [pair,
-// slab, E] for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's
-// 3.0: 25 us at bf16 8,16,2048,64, RESULTS.md, fifty-first session.)
+// a 16-byte vector of columns a thread (rows in 16-byte vectors: wgmma_takes), its rows at once
+// as far as 256 threads go, then adds its row groups in order; with one slab a pair it adds the
+// given start and writes the end itself, else its slab's sums into `partials` [pair, slab, E]
+// for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's 3.0: 25 us
+// at bf16 8,16,2048,64, RESULTS.md, fifty-first session; this kernel with four 16-bit columns a
+// thread and four blocks a multiprocessor 1.9-2.2 TB/s of the H200's 4.2, fifty-second session.)
 constexpr int kKeySumThreads = 256;
 
 // The final key sum's element i (pair * E + column): k's sum over time plus the given start.
@@ -449,30 +457,31 @@ __device__ __forceinline__ void write_key_sum(const KernelParams& p, int64_t i, 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kKeySumThreads)
     key_sum_slabs_kernel(const KernelParams p, int64_t slab, int64_t slabs, float* partials) {
-  struct alignas(4 * sizeof(scalar_t)) Four {
-    scalar_t x[4];
+  constexpr int kPer = 16 / sizeof(scalar_t);  // a thread's columns: one 16-byte vector of a row
+  struct alignas(16) Vector {
+    scalar_t x[kPer];
   };
-  __shared__ float sums[kKeySumThreads * 4];
+  __shared__ float sums[kKeySumThreads * kPer];
   const int64_t pair = blockIdx.x / slabs, index = blockIdx.x % slabs, b = pair / p.H, h = pair % p.H;
-  const int lanes = int(p.E / 4), rows = kKeySumThreads / lanes;  // threads a row, rows at once
+  const int lanes = int(p.E / kPer), rows = kKeySumThreads / lanes;  // threads a row, rows at once
   const int lane = threadIdx.x % lanes, row = threadIdx.x / lanes;
-  float sum[4] = {0.f, 0.f, 0.f, 0.f};
+  float sum[kPer] = {};
   if (row < rows) {
-    const scalar_t* k = static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0) + 4 * lane;
+    const scalar_t* k = static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0) + kPer * lane;
     const int64_t end = min(p.L, (index + 1) * slab);
 #pragma unroll 4
     for (int64_t t = index * slab + row; t < end; t += rows) {
-      const Four v = *reinterpret_cast<const Four*>(k + t * p.k.stride_l);
+      const Vector v = *reinterpret_cast<const Vector*>(k + t * p.k.stride_l);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) sum[e] += static_cast<float>(v.x[e]);
+      for (int e = 0; e < kPer; ++e) sum[e] += static_cast<float>(v.x[e]);
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sums[(row * lanes + lane) * 4 + e] = sum[e];
+    for (int e = 0; e < kPer; ++e) sums[(row * lanes + lane) * kPer + e] = sum[e];
   }
   __syncthreads();
   for (int64_t column = threadIdx.x; column < p.E; column += kKeySumThreads) {
     float total = 0.f;
-    for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / 4) * 4 + column % 4];
+    for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / kPer) * kPer + column % kPer];
     if (slabs == 1) {
       write_key_sum(p, pair * p.E + column, total);
     } else {
@@ -492,12 +501,12 @@ __global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const
   write_key_sum(p, i, total);
 }
 
-// Slabs enough for four blocks a multiprocessor, none under 64 timesteps.
+// Slabs enough for eight blocks a multiprocessor (its 2048 threads), none under 64 timesteps.
 template <typename scalar_t>
 void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
   const int64_t pairs = p.B * p.H;
   if (pairs == 0 || p.E == 0) return;
-  const int64_t wanted = (4 * multiprocessor_count() + pairs - 1) / pairs;
+  const int64_t wanted = (8 * multiprocessor_count() + pairs - 1) / pairs;
   const int64_t slabs = std::max<int64_t>(1, std::min(wanted, p.L / 64));
   const int64_t slab = (p.L + slabs - 1) / slabs;
   TORCH_CHECK(pairs * slabs <= int64_t(0x7fffffff), "fast_causal_attn: B * H too large: ", pairs);

@@ -64,12 +64,16 @@ constexpr int kStages = 3;         // chunks staged (two on their way; a fourth 
 __host__ __device__ constexpr int stages_for_atoms(int atoms) { return atoms > 2 ? 2 : kStages; }
 constexpr int kOutStride = 64 + 8;  // the outputs' staging rows, in elements (16 bytes of padding)
 constexpr int kStagingBytes = 64 * kOutStride * 2;
-// The normalized backward's per-row terms (RowTerms: dO[t] . O[t], dq's den[t] too), 64 floats a
+// The normalized backward's per-row terms (RowTerms: dO[t] . O[t], den[t]), 64 floats a
 // term a stage slot.
 __host__ __device__ constexpr int row_terms_bytes(int slots, int terms) { return slots * terms * 64 * 4; }
 // the normalized dk-with-dv kernel's extra row e (KeySums, 64 floats), after its warps' largest
-// |S|, and its chunks' dO . O in up to six slots (the pass's ring, or the sums' deeper one: sum_depth)
-constexpr int kNormalizedGradKVBytes = 64 * 4 + row_terms_bytes(6, 1);
+// |S|, and its chunks' dO . O and den in up to six slots (the pass's ring, or the sums' deeper one:
+// sum_depth)
+constexpr int kNormalizedGradKVBytes = 64 * 4 + row_terms_bytes(6, 2);
+// the wide dk-with-dv kernel's: e over up to 128 columns, and each chunk's dO . O and den in up to
+// six slots (its pass's two, or its state-only walk's deeper ring)
+constexpr int kNormalizedWideBytes = 128 * 4 + row_terms_bytes(6, 2);
 // `stages` x slot_tiles tiles ({A, B, each group's Cc}: 2 kAtoms + kGroups; {q, k, v, dO} for dk
 // and dv, kAtoms each), the state copies (two parts, bfloat16; float16 uses one) in copy_tiles, and
 // for each of `groups` warpgroups its outputs' staging rows and its warps' largest |S| (float16's
@@ -92,8 +96,12 @@ __host__ __device__ constexpr size_t smem_bytes(int slot_tiles, int copy_tiles =
 // The forward and dq under normalize (KeySums): each group's key sum, 128 floats, after the warps'
 // largest |S|; the producer leaves the scores to the consumers (they need their row sums), and at
 // two atoms on two groups each group stages its outputs over its copy, as with producer_scores
-// (the staging rows would not fit beside the key sums: 226 KB of the 227 without them).
+// (the staging rows would not fit beside the key sums: 226 KB of the 227 without them). At four
+// atoms on two groups (splits_rows) each group's z covers its own two atoms, and the second's
+// partial row sums of den reach the first beside its partial outputs (den_parts_bytes): the
+// forward 225.5 KB, dq (its row terms in their place) 226.
 constexpr int kExchangeBytes = 64 * 64 * 4;
+constexpr int kDenPartsBytes = 4 * 16 * 2 * 4;  // (ProductLayout::den_parts_bytes)
 constexpr int kScoresDepth = 2;
 struct ProductLayout {
   int atoms, groups;
@@ -117,14 +125,20 @@ struct ProductLayout {
   __host__ __device__ constexpr int staging_bytes() const {
     return splits_rows() ? kExchangeBytes : stages_over_copy() ? 0 : groups * kStagingBytes;
   }
-  // (a group's 128 floats: the forward's z over up to two atoms, dq's over its 64 columns twice)
+  // (a group's 128 floats: the forward's z over its two atoms, dq's over its 64 columns twice)
   __host__ __device__ constexpr int key_sum_bytes() const { return normalize ? groups * 128 * 4 : 0; }
+  // the forward's under normalize at four atoms (splits_rows; dq reads its den from the row terms):
+  // the second group's partial row sums of the normalizer for the first, two floats each of a
+  // warp's 16 rows, beside its partial outputs
+  __host__ __device__ constexpr int den_parts_bytes() const {
+    return normalize && splits_rows() && !row_terms ? kDenPartsBytes : 0;
+  }
   // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
-  // largest |S|, the key sums, the row terms
+  // largest |S|, the key sums, the row terms or the den parts
   __host__ __device__ constexpr size_t smem_bytes() const {
     return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles() + scores_tiles()) * kTile +
            staging_bytes() + groups * 4 * sizeof(float) + key_sum_bytes() +
-           (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0);
+           (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0) + den_parts_bytes();
   }
 };
 
@@ -464,18 +478,24 @@ __host__ __device__ constexpr int sum_depth(int area, int slot) {
 // dk-with-dv kernel's state-only blocks): issue(it, slot)
 // stages chunk it, it = 0, 1, 2, ... in order; add(slot) issues the sums' products on the chunk in
 // `slot`, each chunk's waited for before its slot takes the next.
-template <int kDepth, typename Issue, typename Add>
-__device__ __forceinline__ void sum_chunks(int64_t chunks, Issue&& issue, Add&& add) {
+template <int kDepth, typename Issue, typename Add, typename Landed, typename Beside>
+__device__ __forceinline__ void sum_chunks(int64_t chunks, Issue&& issue, Add&& add, Landed&& landed, Beside&& beside) {
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     ring.arrive();
+    landed(it, ring.slot);  // (what is made of the chunk before its products; its own barrier)
     fence();
     add(ring.slot);
     commit();
+    beside(ring.slot);  // (what else reads the chunk, while its products run)
     issue(it + kDepth - 1, ring.refill());
     wait<0>();
   }
+}
+template <int kDepth, typename Issue, typename Add>
+__device__ __forceinline__ void sum_chunks(int64_t chunks, Issue&& issue, Add&& add) {
+  sum_chunks<kDepth>(chunks, issue, add, [](int64_t, int) {}, [](int) {});
 }
 
 // The state's 16-bit copy, read by the products that multiply by the state, in the staged layout
@@ -1019,7 +1039,7 @@ struct KeySums {
 };
 
 // The normalized backward's per-row terms of a chunk, kTerms arrays of 64 floats a stage slot
-// (dO[t] . O[t]; dq's den[t] too), staged by the producer beside the chunk's tiles: one 4-byte
+// (dO[t] . O[t], den[t]), staged by the producer beside the chunk's tiles: one 4-byte
 // cp.async a thread in the chunk's copy group, rows past n zeros. The consumers read them from
 // shared memory once the ring says the chunk is staged (every producer thread's copies landed).
 // Read from global memory where each was used, the loads' latency sat on the consumers' chain
@@ -1040,9 +1060,8 @@ struct RowTerms {
 // is dv's B and dk's Cc, as the mma.sync kernels' staged operand), in place by the producer thread
 // that copied them: its own pieces of the staged tile (Stager's rows row0 + 16 i of its column
 // group, its copies landed), row r times 1 / den[r] in float32 and rounded once; rows past n are
-// zeros and stay so. Then fenced for wgmma. The four den are read first, at once (read between
-// the tile's loads, each waited on its own: the producer's announcement of each chunk late by
-// four reads from memory).
+// zeros and stay so. Then fenced for wgmma. den: the chunk's, in its slot's row terms. The four
+// are read first, at once (read between the tile's loads, each waited on its own).
 template <bool kHalf>
 __device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, const float* den, int n) {
   float factors[4];
@@ -1125,10 +1144,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize, kNormalize && P == Pass::GradQ};
-  // the normalizer (KeySums): the forward (den) and dq (the extra row), up to two atoms, each
-  // group's copy beside its scores
-  static_assert(!kNormalize || ((P == Pass::Forward || P == Pass::GradQ) && !kOneLaunch && kAtoms <= 2),
-                "normalize: the forward and dq, Da <= 128");
+  // the normalizer (KeySums): the forward (den) and dq (the extra row), each group's copy beside
+  // its scores; up to two atoms, or four on two groups (kSplitRows: each group's row sums over its
+  // half of Da, the second's added to the first's beside its partial outputs)
+  static_assert(!kNormalize || ((P == Pass::Forward || P == Pass::GradQ) && !kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
+                "normalize: the forward and dq, Da up to 128, or 256 on two warpgroups");
   constexpr bool kSplitRows = kLayout.splits_rows();
   constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
   constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
@@ -1160,15 +1180,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
                                                  : group * kStagingBytes));
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
   StateCopy<kHalf, kStateAtoms> copy{base + uint32_t(copy_tile) * kTile, warp_max + 4 * group};
-  // (kNormalize) the key sum: the forward's z over B's Da columns (den); dq's over its group's Cc
-  // columns (k's, the extra row's), twice (keys_of: chunk it's in keys_of(it), the next chunk's
-  // written beside it, so that no barrier parts the reads from the owners' writes)
-  using ColumnSums = KeySums<kHalf, P == Pass::Forward ? kAtoms : 1>;
+  // (kNormalize) the key sum: the forward's z over this group's B columns (Da's, kSplitRows: its
+  // half's), for den; dq's over its group's Cc columns (k's, the extra row's; kSplitRows: both
+  // groups the same, the first's used), twice (keys_of: chunk it's in keys_of(it), the next
+  // chunk's written beside it, so that no barrier parts the reads from the owners' writes)
+  using ColumnSums = KeySums<kHalf, P == Pass::Forward ? kStateAtoms : 1>;
   float* const key_base = warp_max + 4 * kGroups + 128 * group;
   const ColumnSums keys{key_base};
   auto keys_of = [key_base](int64_t it) { return ColumnSums{key_base + 64 * int(it % 2)}; };
-  // (kLayout.row_terms) each stage slot's dO . O and den, after the key sums
+  // after the key sums: (kLayout.row_terms) each stage slot's dO . O and den; or (the forward,
+  // kSplitRows) the den parts, warp w's 16 rows' two partial sums at 32 w (den_parts_bytes)
   const RowTerms<2> row_terms{warp_max + 4 * kGroups + 128 * kGroups};
+  float2* const den_parts = reinterpret_cast<float2*>(warp_max + 4 * kGroups + 128 * kGroups) + 16 * group_warp();
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -1304,9 +1327,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));
       commit();
-      if constexpr (kNormalize) {  // (the forward: k as B; dq: k as this group's Cc)
-        float sums[P == Pass::Forward ? kAtoms : 1][2];
-        keys.chunk_sums(sums, tile_of(ring.slot, P == Pass::Forward ? kAtoms : my_c));
+      if constexpr (kNormalize) {  // (the forward: k as B, this group's atoms; dq: k as this group's Cc)
+        float sums[P == Pass::Forward ? kStateAtoms : 1][2];
+        keys.chunk_sums(sums, P == Pass::Forward ? tile_of(ring.slot, kAtoms) + my_atoms : tile_of(ring.slot, my_c));
         keys.add(sums);
       }
       wait<0>();
@@ -1348,7 +1371,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   if constexpr (kNormalize) {
     const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
     if constexpr (P == Pass::Forward) {
-      keys.set([&](int column) { return !state_only && column < Da ? start.key_sum(column) : 0.f; });
+      keys.set([&](int column) { return !state_only && row0 + column < Da ? start.key_sum(row0 + column) : 0.f; });
     } else {  // dq: the extra row's start (with with_state_io's z0), this group's columns
       keys.set([&](int column) { return !state_only && m0 + column < Dc ? start.extra(m0 + column) : 0.f; });
     }
@@ -1377,10 +1400,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     } else {
       copy.publish_first(state, group_sync);
     }
-    // kNormalize: q . z of the lane's two rows (KeySums::row_dots) and the outputs' factors a row
-    // (the forward's)
-    float key_dots[2], row_factors[2];
-    static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores && !kSplitRows), "the normalizer's place");
+    // kNormalize: q . z of the lane's two rows (KeySums::row_dots), the forward's row sums of its
+    // normalizer at four atoms (row_sums[h]: P's rounded and the float32 scores', over this group's
+    // half of Da) and the outputs' factors a row
+    float key_dots[2], row_sums[2][2], row_factors[2];
+    static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores), "the normalizer's place");
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
       // kNormalize, dq: the lane's rows' extra-row a (-dO[t] . O[t]) or output factor (scale /
@@ -1395,12 +1419,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           values[h] = row >= n ? 0.f : weights ? -terms[row] : factor * __frcp_rn(terms[64 + row]);
         }
       };
-      // kNormalize: den = eps + scale (the row sum of the masked float32 scores + q . z), kept for
-      // the backward (by the first group of column tile 0), and the rows' factors scale / (the same
-      // with P's rounded row sum: normalizer_sums)
-      auto normalizer = [&](const float (&score)[32], const uint32_t (&masked)[4][4]) {
-        float exact[2], rounded[2];
-        normalizer_sums<kHalf, kReverse>(exact, rounded, score, masked);
+      // kNormalize, the forward, from the whole row sums: den = eps + scale (the row sum of the
+      // masked float32 scores + q . z), kept for the backward (by the first group of column tile
+      // 0), and the rows' factors scale / (the same with P's rounded row sum: normalizer_sums)
+      auto finish_normalizer = [&](const float (&rounded)[2], const float (&exact)[2]) {
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
 #pragma unroll
@@ -1412,10 +1434,23 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           }
         }
       };
+      // the forward's row sums (kSplitRows: this group's half, finished by the first group once
+      // the second's have come with its partial outputs)
+      auto normalizer = [&](const float (&score)[32], const uint32_t (&masked)[4][4]) {
+        float exact[2], rounded[2];
+        normalizer_sums<kHalf, kReverse>(exact, rounded, score, masked);
+        if constexpr (kSplitRows) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) row_sums[h][0] = rounded[h], row_sums[h][1] = exact[h];
+        } else {
+          finish_normalizer(rounded, exact);
+        }
+      };
       // out += mask(score) Cc in one committed group (add_masked_times), kNormalize's normalizer
       // taken from the masked fragments on the way
       auto add_masked = [&](float (&to)[32], float (&score)[32], uint32_t c_tile) {
-        if constexpr (kNormalize && P == Pass::GradQ) {  // dq's extra row: each score of row t plus its a
+        // dq's extra row: each score of row t plus its a (kSplitRows: in the first group's partial scores)
+        if (kNormalize && P == Pass::GradQ && (!kSplitRows || group == 0)) {
           float weights[2];
           dq_rows(weights, true);
 #pragma unroll
@@ -1457,7 +1492,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         fence();
         scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
         commit();
-        float key_chunk[kAtoms][2];  // (kNormalize) this chunk's sums of k: z's next update
+        float key_chunk[kStateAtoms][2];  // (kNormalize) this chunk's sums of k: z's next update
         if constexpr (kNormalize && P == Pass::Forward) {  // while the scores run
           keys.row_dots(key_dots, at);
           keys.chunk_sums(key_chunk, bt);
@@ -1529,12 +1564,23 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       if constexpr (kSplitRows) {
         // the second group's partial output to the first, warp w to warp w (named barrier 1 + w
         // of their 64 threads), float4 j of lane l at 16 (32 j + l) bytes of the warp's part: each
-        // store and load a whole 512 bytes. The part is free again: the first group's warp read
-        // it and its staging rows (inside it) before this chunk's arrive.
+        // store and load a whole 512 bytes (kNormalize, the forward: its rows' partial row sums
+        // beside, the quad's first lane's, in the den parts). The part is free again: the first
+        // group's warp read it and its staging rows (inside it) before this chunk's arrive (the
+        // ring's wait: every consumer's).
         float4* part = reinterpret_cast<float4*>(staging_at + (kExchangeBytes / 4) * group_warp()) + threadIdx.x % kWarp;
+        const int quad_row = int(threadIdx.x % kWarp) / 4;  // (the den parts: the lane's rows g, g + 8)
         if (group == 1) {
 #pragma unroll
           for (int j = 0; j < 8; ++j) part[kWarp * j] = make_float4(out[4 * j], out[4 * j + 1], out[4 * j + 2], out[4 * j + 3]);
+          if constexpr (kNormalize && P == Pass::Forward) {
+            if (threadIdx.x % 4 == 0) {
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                den_parts[quad_row + 8 * h] = make_float2(row_sums[h][0] + key_dots[h], row_sums[h][1] + key_dots[h]);
+              }
+            }
+          }
           named_arrive(1 + group_warp(), 2 * kWarp);
         } else {
           named_sync(1 + group_warp(), 2 * kWarp);
@@ -1543,7 +1589,20 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
             const float4 x = part[kWarp * j];
             out[4 * j] += x.x, out[4 * j + 1] += x.y, out[4 * j + 2] += x.z, out[4 * j + 3] += x.w;
           }
-          store_outputs(factor);
+          if constexpr (kNormalize && P == Pass::Forward) {  // the whole row sums, then den and the factors
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const float2 other = den_parts[quad_row + 8 * h];
+              row_sums[h][0] += other.x, row_sums[h][1] += other.y;
+            }
+            finish_normalizer({row_sums[0][0], row_sums[1][0]}, {row_sums[0][1], row_sums[1][1]});
+          }
+          if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
+          if constexpr (kNormalize) {
+            store_outputs(row_factors);
+          } else {
+            store_outputs(factor);
+          }
         }
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
@@ -1568,11 +1627,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   const SegmentEnd<float> end(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
   for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
-  if constexpr (kNormalize && P == Pass::Forward) {  // the key sum's end (the owners' columns of z, their own writes)
-    if (end.key_sum != nullptr && group == 0 && work.col_tile == 0) keys.store(end.key_sum, Da);
+  // kNormalize: the key sum's end (the owners' columns of z, their own writes; kSplitRows: the
+  // forward's each group its half, dq's the first group's)
+  if constexpr (kNormalize && P == Pass::Forward) {
+    if (end.key_sum != nullptr && (kSplitRows || group == 0) && work.col_tile == 0) keys.store(end.key_sum + row0, Da - row0);
   }
   if constexpr (kNormalize && P == Pass::GradQ) {  // (state-only blocks: their segment's sums of k)
-    if (end.extra != nullptr) keys_of(state_only ? 0 : chunks).store(end.extra + m0, Dc - m0);
+    if (end.extra != nullptr && (!kSplitRows || group == 0)) keys_of(state_only ? 0 : chunks).store(end.extra + m0, Dc - m0);
   }
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
@@ -1609,9 +1670,9 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   // kNormalize (kNormalizedGradKVBytes): dk's extra row e = the sum over the chunks after this one
   // of -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
   // sums' gradients (with_state_io's GradKV), and -dO[t] . O[t] is added to each kept score of
-  // V dO^T, column t. Each chunk's dO . O staged beside it (terms, a slot of either ring).
+  // V dO^T, column t. Each chunk's dO . O and den staged beside it (terms, a slot of either ring).
   const KeySums<kHalf, 1> extra{warp_max + 4};
-  const RowTerms<1> terms{warp_max + 4 + 64};
+  const RowTerms<2> terms{warp_max + 4 + 64};
 
   // one launch for the segments (KernelParams::lookback): the block's work by the order blocks start
   const int64_t block =
@@ -1635,7 +1696,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
       stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
-      if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_begin(it)}, n);
+      if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_begin(it), ops.den + chunk_begin(it)}, n);
     }
     StageRing<>::commit_copies();
   };
@@ -1649,14 +1710,22 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   constexpr int kSumDepth = sum_depth(kStages * 4 + 2, 2);
   auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 2 + which) * kTile; };
   const bool sums_first = kOneLaunch && work.segment > 0;  // one launch's walk before the pass
-  // named barriers: 1 the consumers', 2 on the produced rings' (the pass's or the sums'), and
-  // kSummed: one launch's walk done with its slots, which the pass's ring takes after it
-  constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kBlockThreads = 2 * kThreads;
-  static_assert(kSummed < 16, "named barriers");
+  // named barriers: 1 the consumers', 2 on the produced rings' (the pass's or the sums'),
+  // kSummed: one launch's walk done with its slots, which the pass's ring takes after it, and
+  // (kNormalize) kLanded: every producer thread's copies of a chunk landed
+  constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kLanded = kSummed + 1,
+                kBlockThreads = 2 * kThreads;
+  static_assert(kLanded < 16, "named barriers");
   if (warpgroup() == 1) {  // the producer (broadcast, as above)
-    // kNormalize: chunk it's staged q (at `tile`) divided by its rows' den once landed
-    auto divide_q = [&](uint32_t tile, int64_t t0) {
-      if constexpr (kNormalize) divide_rows<kHalf>(stage, tile, ops.den + t0, work.chunk_len(t0, C));
+    // kNormalize: chunk it's staged q (at `tile`) divided by its rows' den once landed, den read
+    // from the slot's terms once every producer thread's copies are in (each thread divides rows
+    // whose den another copied). Read from global memory, den cost each chunk's announcement a
+    // read's latency, which the sums' walks (a product a chunk) could not hide.
+    auto divide_q = [&](uint32_t tile, int slot, int64_t t0) {
+      if constexpr (kNormalize) {
+        named_sync(kLanded, kThreads);
+        divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C));
+      }
     };
     auto produce_sums = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
       ProducedRing<kSumDepth>(kFull, kBlockThreads)
@@ -1667,11 +1736,13 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
                   const int n = work.chunk_len(chunk_start(it), C);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
-                  if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_start(it)}, n);
+                  if constexpr (kNormalize) {
+                    terms.stage(slot, {ops.dout_dot_out + chunk_start(it), ops.den + chunk_start(it)}, n);
+                  }
                 }
                 StageRing<>::commit_copies();
               },
-              [&](int64_t it, int slot) { divide_q(sum_tile(slot, 0), chunk_start(it)); });
+              [&](int64_t it, int slot) { divide_q(sum_tile(slot, 0), slot, chunk_start(it)); });
     };
     if (sums_first) {  // first to last
       Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
@@ -1682,7 +1753,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       produce_sums(q_src, dout_src, chunk_begin, std::true_type{});
     } else {
       ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
-        divide_q(tile_of(slot, 0), chunk_begin(it));
+        divide_q(tile_of(slot, 0), slot, chunk_begin(it));
       });
     }
     return;
@@ -1846,7 +1917,10 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
 // group adds dO^T Q for its own half. Four inputs of two atoms a chunk are 64 KB: two stage slots
 // (kDepth 2: the next chunk's copies run behind this chunk's products) and the copies take 208 KB.
 // Group 0 stages q and k, group 1 v and dO (state-only blocks: q, and dO).
-template <typename scalar_t>
+// kNormalize (wgmma_grad_kv_kernel's terms): group 0 divides its staged q rows by den once the
+// chunk is in (a second barrier then shows them to both groups), group 1 stages each chunk's
+// dO . O and den (RowTerms) and keeps dk's extra row e (E columns) in shared memory.
+template <typename scalar_t, bool kNormalize = false>
 __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     wgmma_grad_kv_wide_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1856,7 +1930,8 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
   constexpr int kDepth = 2, kSlot = 8;  // a slot: q, k, v, dO, two atoms each
   constexpr int kCopyAt = kDepth * kSlot, kStagingAt = kCopyAt + 8;  // two halves' copies, two parts of 2 tiles
-  static_assert(smem_bytes(kSlot, 8, 2, kDepth) <= 227 * 1024, "shared memory of one block");
+  static_assert(smem_bytes(kSlot, 8, 2, kDepth) + (kNormalize ? kNormalizedWideBytes : 0) <= 227 * 1024,
+                "shared memory of one block");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
@@ -1869,6 +1944,10 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingAt * kTile + 2 * kStagingBytes);
   constexpr uint32_t kHalfCopy = 4 * kTile;  // from one half's copy to the other's
   StateCopy<kHalf, 2, 8> copy{base + kCopyAt * kTile + group * kHalfCopy, warp_max};
+  // (kNormalize, kNormalizedWideBytes) e: group 1's, its warps owning 16 of each 64 columns; the
+  // row terms of either ring's slots
+  const KeySums<kHalf, 2> extra{warp_max + 8};
+  const RowTerms<2> terms{warp_max + 8 + 128};
 
   const chunked::BlockWork<Pass::GradKV, scalar_t> work(p, col_tiles, 2 * C, Dc);
   const Operands<Pass::GradKV, scalar_t, float> ops = work.operands(p);  // q, k, v, dO; out: dk
@@ -1884,33 +1963,84 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   // tiles of a slot: q 0-1, k 2-3, v 4-5, dO 6-7 (group 0 stages q and k, group 1 dO and v)
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
+  // (kNormalize) chunk it's dO . O and den into slot `slot` of the row terms, by group 1
+  auto issue_terms = [&](int64_t it, int slot, int n) {
+    if constexpr (kNormalize) {
+      const int64_t t0 = chunk_begin(it);
+      if (group == 1) terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n);
+    }
+  };
   auto issue = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       stage.operator()<true, 2>(tile_of(slot, group == 0 ? 0 : 6), first, first_rows.ptr, n);
       stage.operator()<true, 2>(tile_of(slot, group == 0 ? 2 : 4), second, second_rows.ptr, n);
+      issue_terms(it, slot, n);
     }
     StageRing<kDepth>::commit_copies();
+  };
+  // (kNormalize) once chunk it is in (in `slot`, q's two atoms at q_tile): group 0 divides the q
+  // rows it staged by their den (divide_rows), and a second barrier shows them to every wgmma
+  auto divide_q = [&](int64_t it, int slot, uint32_t q_tile) {
+    if constexpr (kNormalize) {
+      if (group == 0) {
+        const int n = work.chunk_len(chunk_begin(it), C);
+#pragma unroll
+        for (int a = 0; a < 2; ++a) divide_rows<kHalf>(stage, q_tile + a * kTile, terms.slot(slot) + 64, n);
+      }
+      __syncthreads();
+    }
+  };
+  // (kNormalize) -dO[t] . O[t] of the chunk in a ring's slot (the extra row's b; zero past its rows)
+  auto extra_weight = [&](int slot) {
+    return [dot = terms.slot(slot)](int row) { return -dot[row]; };
   };
   // This group's half of D: row m = 64 a + 16 warp + g (+8), column e = 64 group + 8 j + 2 q4 (+1) in
   // d[a][4 j ..]; from the segment's start (the sums of the segments after it).
   float d[2][32];
 #pragma unroll
   for (int a = 0; a < 2; ++a) load_start(d[a], p, work.pair, work.segment, M, E, state_only, 64 * a, 64 * group);
+  if constexpr (kNormalize) {  // e from the segment's start (zeros in state-only blocks), group 1's
+    const SegmentStart<float> start(p, work.pair, work.segment, M, E);
+    if (group == 1) extra.set([&](int column) { return !state_only && column < E ? start.extra(column) : 0.f; });
+  }
   // D's columns 64 group on (two row blocks of M) += dO^T Q's
   auto update_state = [&](uint32_t dt, uint32_t qt) { add_bt_times_c<kHalf>(d, dt, qt + group * kTile); };
   const SegmentEnd<float> end(p, work.pair, work.segment, M, E, true, false, work.piece);
-  if (state_only) {  // the segment's own dO^T Q alone: a deeper ring (sum_depth) of q's and dO's atoms
-    constexpr int kSumDepth = sum_depth(kStagingAt, 4);
-    auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
-    auto issue_sums = [&](int64_t it, int slot) {
-      if (it < chunks) stage.operator()<true, 2>(sum_tile(slot, group == 0 ? 0 : 2), first, first_rows.ptr,
-                                                 work.chunk_len(chunk_begin(it), C));
-      StageRing<>::commit_copies();
-    };
-    sum_chunks<kSumDepth>(chunks, issue_sums, [&](int slot) { update_state(sum_tile(slot, 2), sum_tile(slot, 0)); });
+  // D's end, and (kNormalize) e's: group 1's owners' own columns
+  auto store_segment_end = [&] {
 #pragma unroll
     for (int a = 0; a < 2; ++a) store_end(d[a], end.state, M, E, 64 * a, 64 * group, end.transposed);
+    if constexpr (kNormalize) {
+      if (group == 1 && end.extra != nullptr) extra.store(end.extra, E);
+    }
+  };
+  if (state_only) {  // the segment's own dO^T Q alone: a deeper ring (sum_depth) of q's and dO's atoms
+    constexpr int kSumDepth = sum_depth(kStagingAt, 4);
+    static_assert(kSumDepth <= 6, "kNormalizedWideBytes: the row terms' slots");
+    auto sum_tile = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
+    auto issue_sums = [&](int64_t it, int slot) {
+      if (it < chunks) {
+        const int n = work.chunk_len(chunk_begin(it), C);
+        stage.operator()<true, 2>(sum_tile(slot, group == 0 ? 0 : 2), first, first_rows.ptr, n);
+        issue_terms(it, slot, n);
+      }
+      StageRing<>::commit_copies();
+    };
+    // (kNormalize: q divided first; e += the chunk's sums, read by no other warp here)
+    sum_chunks<kSumDepth>(
+        chunks, issue_sums, [&](int slot) { update_state(sum_tile(slot, 2), sum_tile(slot, 0)); },
+        [&](int64_t it, int slot) { divide_q(it, slot, sum_tile(slot, 0)); },
+        [&](int slot) {
+          if constexpr (kNormalize) {
+            if (group == 1) {
+              float sums[2][2];
+              extra.chunk_sums(sums, sum_tile(slot, 0), extra_weight(slot));
+              extra.add(sums);
+            }
+          }
+        });
+    store_segment_end();
     return;
   }
   copy.publish_first(d);
@@ -1925,6 +2055,8 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
                    dt = tile_of(ring.slot, 6);
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
+    divide_q(it, ring.slot, qt);
+    float e_chunk[2][2];  // (kNormalize, group 1) this chunk's part of e, added once every warp has read e
 
     // group 0: scores K Q^T, acc[h] = K D^T (dv's columns 64 h on), then += mask(scores) dO;
     // group 1: scores V dO^T, acc[h] = V D (dk's columns 64 h on), then += mask(scores) Q. Each
@@ -1948,14 +2080,28 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       commit();
       update_state(dt, qt);
       commit();
+      const auto weight = extra_weight(ring.slot);
+      if constexpr (kNormalize && !kDv) extra.chunk_sums(e_chunk, qt, weight);  // while the products run
       issue(it + kDepth - 1, next_slot);
       wait<1>();  // the scores and the state's products; D's update may still run
+      if constexpr (kNormalize && !kDv) {  // dk's extra row: each score of V dO^T plus -dO[t] . O[t] of its column t
+        const int q4 = threadIdx.x % 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float w0 = weight(8 * j + 2 * q4), w1 = weight(8 * j + 2 * q4 + 1);
+          score[4 * j] += w0, score[4 * j + 1] += w1, score[4 * j + 2] += w0, score[4 * j + 3] += w1;
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         copy.scale_back(acc[h]);
         add_masked_times<kHalf, true>(acc[h], score, (kDv ? dt : qt) + h * kTile);
       }
       wait<0>();
+      if constexpr (kNormalize && !kDv) {  // + e, every row
+#pragma unroll
+        for (int h = 0; h < 2; ++h) KeySums<kHalf, 1>{extra.z + 64 * h}.add_to_rows(acc[h]);
+      }
       if constexpr (kHalf) copy.post_max(d);
       scalar_t* out = kDv ? ops_v.out : ops.out;  // dv's or dk's
       const int64_t out_l = kDv ? ops_v.out_l : ops.out_l, width = kDv ? M : E;
@@ -1971,11 +2117,13 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     } else {
       gradient(std::integral_constant<int, 1>{});
     }
-    __syncthreads();  // every warp's wgmma has read both copies
+    __syncthreads();  // every warp's wgmma has read both copies (and group 1's, e)
+    if constexpr (kNormalize) {
+      if (group == 1) extra.add(e_chunk);
+    }
     copy.publish(d);
   }
-#pragma unroll
-  for (int a = 0; a < 2; ++a) store_end(d[a], end.state, M, E, 64 * a, 64 * group, end.transposed);
+  store_segment_end();
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
 #endif
