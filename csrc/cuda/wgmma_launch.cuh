@@ -312,8 +312,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                          ? 2
                          : 1;
   const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq, four atoms on two groups; dk with dv)
-  const wgmma::ProductLayout layout{atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize,
-                                    normalize && P == Pass::GradQ};
+  const wgmma::ProductLayout layout =
+      wgmma::product_layout(P, atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize);
   const int64_t tile_columns = C * layout.cc_tiles();
   const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)

@@ -141,6 +141,10 @@ struct ProductLayout {
            (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0) + den_parts_bytes();
   }
 };
+// pass P's layout, the kernel's and its launch's alike (dq keeps its row terms under normalize)
+__host__ __device__ constexpr ProductLayout product_layout(Pass P, int atoms, int groups, bool half, bool normalize) {
+  return ProductLayout{atoms, groups, half, normalize, normalize && P == Pass::GradQ};
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 __device__ __forceinline__ uint32_t smem_address(const void* p) {
@@ -1054,7 +1058,24 @@ struct RowTerms {
     const int thread = int(threadIdx.x % kThreads), term = thread / 64, row = thread % 64;
     if (term < kTerms) copy_4(smem_address(slot(s) + 64 * term + row), from[term] + (row < n ? row : 0), row < n);
   }
+  // dk's extra row's b in slot s, -dO[t] . O[t] of row t (zero past the chunk's rows), as a weight
+  // a row (KeySums::chunk_sums, add_to_columns)
+  __device__ auto extra_weights(int s) const {
+    return [dots = slot(s)](int row) { return -dots[row]; };
+  }
 };
+
+// weight(t) added to every score of column t of an accumulator (columns 8 j + 2 q4, + 1): dk's
+// extra row in V dO^T, before the mask
+template <typename Weight>
+__device__ __forceinline__ void add_to_columns(float (&score)[32], Weight&& weight) {
+  const int q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float w0 = weight(8 * j + 2 * q4), w1 = weight(8 * j + 2 * q4 + 1);
+    score[4 * j] += w0, score[4 * j + 1] += w1, score[4 * j + 2] += w0, score[4 * j + 3] += w1;
+  }
+}
 
 // The normalized backward's q rows divided by their den (wgmma_grad_kv_kernel's kNormalize: q / den
 // is dv's B and dk's Cc, as the mma.sync kernels' staged operand), in place by the producer thread
@@ -1143,7 +1164,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kAtoms == 1 || kAtoms == 2 || kAtoms == 4, "Da up to 64, 128 or 256");
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
-  constexpr ProductLayout kLayout{kAtoms, kGroups, kHalf, kNormalize, kNormalize && P == Pass::GradQ};
+  constexpr ProductLayout kLayout = product_layout(P, kAtoms, kGroups, kHalf, kNormalize);
   // the normalizer (KeySums): the forward (den) and dq (the extra row), each group's copy beside
   // its scores; up to two atoms, or four on two groups (kSplitRows: each group's row sums over its
   // half of Da, the second's added to the first's beside its partial outputs)
@@ -1190,8 +1211,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   auto keys_of = [key_base](int64_t it) { return ColumnSums{key_base + 64 * int(it % 2)}; };
   // after the key sums: (kLayout.row_terms) each stage slot's dO . O and den; or (the forward,
   // kSplitRows) the den parts, warp w's 16 rows' two partial sums at 32 w (den_parts_bytes)
-  const RowTerms<2> row_terms{warp_max + 4 * kGroups + 128 * kGroups};
-  float2* const den_parts = reinterpret_cast<float2*>(warp_max + 4 * kGroups + 128 * kGroups) + 16 * group_warp();
+  float* const after_key_sums = warp_max + 4 * kGroups + 128 * kGroups;
+  const RowTerms<2> row_terms{after_key_sums};
+  float2* const den_parts = reinterpret_cast<float2*>(after_key_sums) + 16 * group_warp();
 
   // One launch for the segments (the forward's): the block's work by the order blocks start
   static_assert(!kOneLaunch || (P == Pass::Forward && kAtoms == 1 && kGroups == 1),
@@ -1758,10 +1780,6 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     }
     return;
   }
-  // kNormalize: -dO[t] . O[t] of the chunk in a ring's slot (the extra row's b; zero past its rows)
-  auto extra_weight = [&](int slot) {
-    return [dot = terms.slot(slot)](int row) { return -dot[row]; };
-  };
   static_assert(kSumDepth <= 6 && kStages <= 6, "kNormalizedGradKVBytes: the row terms' slots");
   auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
   // D += dO^T Q over the chunks of a summing walk
@@ -1775,7 +1793,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       commit();
       if constexpr (kNormalize) {
         float sums[1][2];
-        extra.chunk_sums(sums, sum_tile(ring.slot, 0), extra_weight(ring.slot));
+        extra.chunk_sums(sums, sum_tile(ring.slot, 0), terms.extra_weights(ring.slot));
         extra.add(sums);
       }
       wait<0>();
@@ -1856,17 +1874,10 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     times_state_copy<kHalf, 1>(acc, vt, copy.at);
     commit();
     float e_chunk[1][2];  // (kNormalize) this chunk's part of e, added once every warp has read e
-    const auto weight = extra_weight(ring.slot);
+    const auto weight = terms.extra_weights(ring.slot);
     if constexpr (kNormalize) extra.chunk_sums(e_chunk, qt, weight);  // while the products run
     auto add_extra_row = [&] {  // (kNormalize) the scores' columns t
-      if constexpr (kNormalize) {
-        const int q4 = threadIdx.x % 4;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float w0 = weight(8 * j + 2 * q4), w1 = weight(8 * j + 2 * q4 + 1);
-          score[4 * j] += w0, score[4 * j + 1] += w1, score[4 * j + 2] += w0, score[4 * j + 3] += w1;
-        }
-      }
+      if constexpr (kNormalize) add_to_columns(score, weight);
     };
     // bfloat16: P Q behind V D once the scores are in, D's update behind P Q while dk is
     // stored (float16 takes the copy's scale back from V D first). Measured on the H200 (bf16,
@@ -1991,10 +2002,6 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       __syncthreads();
     }
   };
-  // (kNormalize) -dO[t] . O[t] of the chunk in a ring's slot (the extra row's b; zero past its rows)
-  auto extra_weight = [&](int slot) {
-    return [dot = terms.slot(slot)](int row) { return -dot[row]; };
-  };
   // This group's half of D: row m = 64 a + 16 warp + g (+8), column e = 64 group + 8 j + 2 q4 (+1) in
   // d[a][4 j ..]; from the segment's start (the sums of the segments after it).
   float d[2][32];
@@ -2035,7 +2042,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
           if constexpr (kNormalize) {
             if (group == 1) {
               float sums[2][2];
-              extra.chunk_sums(sums, sum_tile(slot, 0), extra_weight(slot));
+              extra.chunk_sums(sums, sum_tile(slot, 0), terms.extra_weights(slot));
               extra.add(sums);
             }
           }
@@ -2080,18 +2087,12 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
       commit();
       update_state(dt, qt);
       commit();
-      const auto weight = extra_weight(ring.slot);
+      const auto weight = terms.extra_weights(ring.slot);
       if constexpr (kNormalize && !kDv) extra.chunk_sums(e_chunk, qt, weight);  // while the products run
       issue(it + kDepth - 1, next_slot);
       wait<1>();  // the scores and the state's products; D's update may still run
-      if constexpr (kNormalize && !kDv) {  // dk's extra row: each score of V dO^T plus -dO[t] . O[t] of its column t
-        const int q4 = threadIdx.x % 4;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          const float w0 = weight(8 * j + 2 * q4), w1 = weight(8 * j + 2 * q4 + 1);
-          score[4 * j] += w0, score[4 * j + 1] += w1, score[4 * j + 2] += w0, score[4 * j + 3] += w1;
-        }
-      }
+      // dk's extra row: each score of V dO^T plus -dO[t] . O[t] of its column t
+      if constexpr (kNormalize && !kDv) add_to_columns(score, weight);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         copy.scale_back(acc[h]);
