@@ -204,14 +204,15 @@ if has sanitize; then
   # states in and out on the wgmma kernels (a start into every segment, the end from the last)
   sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
   # the normalized 16-bit kernels (KeySums, the extra rows): one atom on one warpgroup, two atoms on
-  # two (outputs staged over the copy), four split between two (their row sums exchanged), segments;
+  # two (outputs staged over the copy), four split between two (their row sums exchanged), segments,
+  # dk and dv as two reverse passes (q / den divided by the producer);
   # and one atom in one segment of 5 chunks (3 stage slots: the consumers' ordinary loads of a
   # staged tile before the producer refills its slot).
   # Not under racecheck: it reports the stage ring's order itself (consumers' reads, bar.arrive;
   # producer's bar.sync, writes) as a race wherever a consumer reads a staged tile with ordinary
   # loads, as it does on benchmarks/racecheck_probe.cu, that protocol alone with correct sums
   # (gpu_check's ring_race stage; RESULTS.md, fifty-third session)
-  sanitize wgmma_normalize "test_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96 or B1H1L260E160M200) and bhld and 3-0.7-given" tests/test_wgmma.py racecheck
+  sanitize wgmma_normalize "test_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96 or B1H1L260E160M200) and bhld and 3-0.7-given or test_normalized_two_reverse_passes_with_states and B1H2L333E128M40 and 3-" tests/test_wgmma.py racecheck
   sanitize wgmma_normalize_reuse "test_normalized_forward_on_the_wgmma_kernels and B2H3L300E64M64 and bhld and 1-0.7-given and bfloat16" tests/test_wgmma.py racecheck
   # the forward's one launch at two atoms on two warpgroups (E = M = 128, FAST_CAUSAL_ATTN_ONE_LAUNCH=1)
   sanitize one_launch_wide "test_one_launch_segments and E128M128 and 3-torch" tests/test_wgmma.py

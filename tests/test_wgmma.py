@@ -256,18 +256,61 @@ def test_16_bit_head_dims_above_128(shape, layout, segments, wgmma, dtype, monke
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("segments", ["1", "3", "8"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (1, 2, 300, 128, 128),
                                    (2, 1, 150, 96, 40)], ids=shape_id)
-def test_16_bit_two_reverse_passes(shape, segments, dtype, monkeypatch):
+def test_16_bit_two_reverse_passes(shape, segments, dtype, normalize, monkeypatch):
     """FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 at E, M up to 128: dk and dv as the two reverse passes of
-    wgmma_product_kernel (as above 128; test_head_dims_above_128_take_the_wgmma_kernels checks
-    that they run) in place of the fused pass, dv from dk's segment starts in segments: within the
-    dtype's bound of float64, as the fused pass."""
+    wgmma_product_kernel (as above 128; test_head_dims_above_128_take_the_wgmma_kernels and
+    test_normalized_two_reverse_passes_take_the_wgmma_kernel check that they run) in place of the
+    fused pass, dv from dk's segment starts in segments (under normalize its own state-only
+    launch): within the dtype's bound of float64, as the fused pass; normalized, dk's extra row and
+    q / den as the fused pass's."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout="blhd")
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout="blhd")
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout="blhd", normalize=normalize)
+    check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="blhd")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_normalized_two_reverse_passes_take_the_wgmma_kernel(dtype, monkeypatch):
+    """Under normalize, FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 at E, M up to 128 runs dk and dv as the
+    two reverse passes of wgmma_product_kernel's normalized instances (one warpgroup at one or two
+    atoms) beside the forward's and dq's, and no mma.sync kernel."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 128, 40, dtype=dtype, device="cuda", normalize=True))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert wgmma_instances(names) == {("0", 2, 1), ("1", 1, 2), ("2", 1, 1), ("3", 2, 1)}, names
+    assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 2, 333, 128, 40), (2, 1, 150, 40, 96)], ids=shape_id)
+def test_normalized_two_reverse_passes_with_states(shape, segments, dtype, monkeypatch):
+    """Normalized, FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0: dk's extra row from the final key sum's
+    gradient to the initial one's (e through the segments' sums and scan) and dv's state from the
+    final state's gradient to the initial one's, on the two reverse passes at one and two atoms,
+    from a given state with the final state out, scale 0.7 (check_state_call, as
+    test_normalized_forward_on_the_wgmma_kernels)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, dtype, "two passes")).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True, generator=gen)
+    check_state_call(q, k, v, list(make_state(B, H, E, M, dtype, True)), (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
+                                                                   layout="bhld", **kw),
+                     exact_in_float32={"final kv", "final k_sum"})
 
 
 @CUDA
@@ -850,8 +893,9 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     state-only launch and the scan (its one-launch segments carry no key sums), and on no mma.sync
     kernel; in its backward dq on wgmma_product_kernel (the extra row beside) with the same
     instances, dk with dv in one pass on wgmma_grad_kv_kernel where E and M are up to 64 and on
-    wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 on the
-    mma.sync kernels. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
+    wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 as two
+    reverse passes of wgmma_product_kernel (dk's extra row beside, q / den staged), and no mma.sync
+    kernel anywhere. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
     one-warpgroup instance has the normalizer)."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
@@ -872,7 +916,11 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     assert any("wgmma_grad_kv_wide_kernel" in n for n in names) == (fused and not narrow), names
     dq = {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
     assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
-    assert any("tensorcore_product_kernel" in n for n in names) == (not fused), names
+    # dk's Da is M, dv's E: one warpgroup, or four atoms on two
+    two_passes = set() if fused else {("2", atoms(M), 2 if atoms(M) == 4 else 1),
+                                      ("3", atoms(E), 2 if atoms(E) == 4 else 1)}
+    assert {i for i in wgmma_instances(names) if i[0] in "23"} == two_passes, names
+    assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
     if E > 128 or M > 128:  # no normalized instance of one warpgroup at four atoms: mma.sync there
         monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", "1")
         with cuda_kernels_launched() as names:
@@ -895,8 +943,8 @@ def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale,
     """normalize=True with the forward on the wgmma kernels where the build has them (the key sum
     entering each chunk, den from the row sums of the masked scores as rounded for P Cc and q . z,
     each output row times scale / den; test_normalized_forward_takes_the_wgmma_kernel), its den
-    and kept segment starts read by the backward (dq on wgmma and dk with dv in one wgmma pass at
-    E, M <= 128, the extra row beside, q / den staged; the rest on mma.sync): in 1 or 3 time
+    and kept segment starts read by the backward (dq on wgmma, dk with dv in one wgmma pass at
+    E, M <= 128 and as two above, the extra row beside, q / den staged): in 1 or 3 time
     segments (the key sums' state-only sums and scan), one atom or two, one warpgroup or two, four
     atoms with the state's rows split between two (their row sums added; a partial last atom),
     partial chunks, E != M, both layouts, scale 1 and 0.7, from zeros or a given state with

@@ -1076,11 +1076,15 @@ inline bool reuse_forward_segments() {
 }
 
 // The dq pass's segments and their starts from the forward's, where it kept them (read
-// transposed: no state-only launch, no scan), or float32's dv pass's from the dk pass's; returns
+// transposed: no state-only launch, no scan), or the wgmma dv pass's from the dk pass's; returns
 // whether it takes them. step: the pass's chunk length, whose multiples the earlier pass's
-// segments are.
+// segments are. Under normalize dq's extra row starts from the forward's key sums (without them
+// it cannot take the starts); dv has no extra row (its state under normalize, (q / den)^T dO, is
+// dk's transposed all the same).
+template <Pass P>
 inline bool take_forward_segments(KernelParams& p, int64_t step) {
-  if (p.forward_segments <= 1 || p.cu_seqlens != nullptr || (p.normalize && p.forward_segment_k_sum == nullptr) ||
+  const bool key_sums = P == Pass::GradQ && p.normalize;
+  if (p.forward_segments <= 1 || p.cu_seqlens != nullptr || (key_sums && p.forward_segment_k_sum == nullptr) ||
       !reuse_forward_segments()) {
     return false;
   }
@@ -1090,7 +1094,7 @@ inline bool take_forward_segments(KernelParams& p, int64_t step) {
               " segments, which no forward of ", p.L, " timesteps makes");
   p.seg_from_forward = true;
   p.seg_state = const_cast<void*>(p.forward_segment_kv);  // read only
-  p.seg_extra = p.normalize ? const_cast<void*>(p.forward_segment_k_sum) : nullptr;
+  p.seg_extra = key_sums ? const_cast<void*>(p.forward_segment_k_sum) : nullptr;
   return true;
 }
 
@@ -1172,7 +1176,7 @@ ForwardSegments launch_tensorcore(const KernelParams& params, int64_t Da, int64_
   // state-only launch and the scan: H200 GPU time a fwd+bwd 6-14% lower (bf16 8,16,2048,64 0.256
   // -> 0.231 ms, 1,16,32768,128 1.490 -> 1.404; fp32 8,16,2048,64 0.955 -> 0.898).
   if constexpr (P == Pass::GradQ) {
-    if (take_forward_segments(p, C)) {
+    if (take_forward_segments<P>(p, C)) {
       launch_segmented<P>(kernel, p, SegmentWorkspace{}, pairs * col_tiles * p.segments, kThreads, smem, stream, Da,
                           Dc, col_tiles);
       return {};

@@ -36,8 +36,8 @@ inline bool wgmma_one_group_forced() {
 }
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize only in the 16-bit forward and dq (at four atoms on two warpgroups) and dk with dv in
-// one pass, no states in or out with packed sequences, and
+// normalize only in the 16-bit passes (at four atoms on two warpgroups), no states in or out with
+// packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -90,13 +90,11 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // two. float32: Da and Dc in tiles of 64, up to four (RowTileSums).
     constexpr int64_t kMax = P == Pass::GradKV ? 128 : 256, kVector = 16 / sizeof(scalar_t);
     if (Da > kMax || Dc > kMax || Da % kVector != 0 || Dc % kVector != 0) return false;
-    // Normalize: the 16-bit forward and dq (their kernel's KeySums; at four atoms only with the
-    // state's rows split between two warpgroups), and dk with dv in one pass up to 128
-    // (wgmma_grad_kv_kernel's and the wide kernel's kNormalize); the rest on mma.sync.
-    if (p.normalize && (kFloat || (P == Pass::Forward || P == Pass::GradQ ? Da > 128 && wgmma_one_group_forced()
-                                                                          : P != Pass::GradKV))) {
-      return false;
-    }
+    // Normalize: the 16-bit passes (wgmma_product_kernel's kNormalize: the forward's and dq's
+    // KeySums, dk's extra row, dk's and dv's q / den; at four atoms only with the state's rows split
+    // between two warpgroups), and dk with dv in one pass up to 128 (wgmma_grad_kv_kernel's and the
+    // wide kernel's kNormalize); float32 on mma.sync.
+    if (p.normalize && (kFloat || (P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()))) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
     if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
@@ -311,7 +309,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                              (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
                          ? 2
                          : 1;
-  const bool normalize = p.normalize;  // (wgmma_takes: the 16-bit forward and dq, four atoms on two groups; dk with dv)
+  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups)
   const wgmma::ProductLayout layout =
       wgmma::product_layout(P, atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize);
   const int64_t tile_columns = C * layout.cc_tiles();
@@ -342,6 +340,10 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
           return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
                             : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
         }
+      } else if (normalize) {  // dk and dv alone: one warpgroup, or four atoms on two (see groups)
+        return atoms == 4   ? wgmma_product_kernel<P, scalar_t, 4, 2, false, true>
+               : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
+                            : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
       }
       if (atoms == 4) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
       if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
@@ -377,7 +379,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t blocks = pairs * row_tiles * col_tiles;
   // dq from the forward's segment starts; dv from dk's (launch_backward_cuda)
   if constexpr (P == Pass::GradQ || P == Pass::GradV) {
-    if (take_forward_segments(p, C)) {
+    if (take_forward_segments<P>(p, C)) {
       if (!p.dry_run) {
         const RowTileSums<P> sums(p, row_tiles, Dc, stream);
         launch_segmented<P>(kernel, p, SegmentWorkspace{}, blocks * p.segments, threads, smem, stream, Da, Dc,

@@ -107,7 +107,7 @@ struct ProductLayout {
   int atoms, groups;
   bool half;               // float16 (its state copy scaled), not bfloat16
   bool normalize = false;  // the normalizer (KeySums)
-  bool row_terms = false;  // dq's under normalize: each stage slot's dO . O and den (RowTerms)
+  bool row_terms = false;  // the gradients' under normalize: each stage slot's dO . O and den (RowTerms)
   __host__ __device__ constexpr bool splits_rows() const { return atoms == 4 && groups == 2; }
   __host__ __device__ constexpr int state_atoms() const { return splits_rows() ? 2 : atoms; }  // a group's
   __host__ __device__ constexpr int cc_tiles() const { return splits_rows() ? 1 : groups; }  // a column tile's
@@ -141,9 +141,10 @@ struct ProductLayout {
            (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0) + den_parts_bytes();
   }
 };
-// pass P's layout, the kernel's and its launch's alike (dq keeps its row terms under normalize)
+// pass P's layout, the kernel's and its launch's alike (the gradients keep their row terms under
+// normalize)
 __host__ __device__ constexpr ProductLayout product_layout(Pass P, int atoms, int groups, bool half, bool normalize) {
-  return ProductLayout{atoms, groups, half, normalize, normalize && P == Pass::GradQ};
+  return ProductLayout{atoms, groups, half, normalize, normalize && P != Pass::Forward};
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -1165,11 +1166,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   static_assert(kGroups == 1 || kGroups == 2, "one warpgroup or two");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr ProductLayout kLayout = product_layout(P, kAtoms, kGroups, kHalf, kNormalize);
-  // the normalizer (KeySums): the forward (den) and dq (the extra row), each group's copy beside
-  // its scores; up to two atoms, or four on two groups (kSplitRows: each group's row sums over its
-  // half of Da, the second's added to the first's beside its partial outputs)
-  static_assert(!kNormalize || ((P == Pass::Forward || P == Pass::GradQ) && !kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
-                "normalize: the forward and dq, Da up to 128, or 256 on two warpgroups");
+  // the normalizer: the forward (den, KeySums) and dq (the extra row, KeySums), each group's copy
+  // beside its scores; dk (the extra row e, KeySums) and dv take q / den, which the producer
+  // divides in place (kDividesQ). Up to two atoms, or four on two groups (kSplitRows: each group's
+  // row sums over its half of Da, the second's added to the first's beside its partial outputs;
+  // the extra rows' terms in the first group's partial scores and summed outputs alone)
+  static_assert(!kNormalize || (!kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
+                "normalize: Da up to 128, or 256 on two warpgroups");
+  // (kNormalize) dk's and dv's q / den: dk's Cc, dv's B, divided by the producer once staged
+  constexpr bool kDividesQ = kNormalize && kReverse;
+  // (kNormalize) the extra row's key sums (KeySums): dq's z (the sums of k, its Cc) and dk's e (the
+  // sums of its Cc q / den weighted by -dO[t] . O[t]), each over this group's Cc columns
+  constexpr bool kExtraRow = kNormalize && (P == Pass::GradQ || P == Pass::GradK);
   constexpr bool kSplitRows = kLayout.splits_rows();
   constexpr int kStateAtoms = kLayout.state_atoms();  // a warpgroup's row blocks of the state
   constexpr int kCcTiles = kLayout.cc_tiles();        // Cc's 64-column tiles a stage slot
@@ -1209,8 +1217,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   float* const key_base = warp_max + 4 * kGroups + 128 * group;
   const ColumnSums keys{key_base};
   auto keys_of = [key_base](int64_t it) { return ColumnSums{key_base + 64 * int(it % 2)}; };
-  // after the key sums: (kLayout.row_terms) each stage slot's dO . O and den; or (the forward,
-  // kSplitRows) the den parts, warp w's 16 rows' two partial sums at 32 w (den_parts_bytes)
+  // after the key sums: (kLayout.row_terms) each stage slot's dO . O and den (dv: den twice; it has
+  // no extra row); or (the forward, kSplitRows) the den parts, warp w's 16 rows' two partial sums
+  // at 32 w (den_parts_bytes)
   float* const after_key_sums = warp_max + 4 * kGroups + 128 * kGroups;
   const RowTerms<2> row_terms{after_key_sums};
   float2* const den_parts = reinterpret_cast<float2*>(after_key_sums) + 16 * group_warp();
@@ -1233,9 +1242,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * kSlot + which) * kTile; };
   // the producer and its barriers (see above); 1 + warp: kSplitRows' exchange
   constexpr int kConsumers = kThreads * kGroups, kBlockThreads = kConsumers + kThreads;
-  // kScoresBarrier: the producer's own (each chunk's copies landed, before its scores)
-  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups, kScoresBarrier = kFull + 2 * kDepth;
-  static_assert(kScoresBarrier < 16, "named barriers");
+  // kLandedBarrier: the producer's own (each chunk's copies landed, before its scores or its q / den)
+  constexpr int kGroupBarrier = 5, kFull = kGroupBarrier + kGroups, kLandedBarrier = kFull + 2 * kDepth;
+  static_assert(kLandedBarrier < 16, "named barriers");
   // P's ring lives kScoresDepth chunks: the stage slots are released for it
   using Ring = ProducedRing<kDepth, kProducerScores ? kScoresDepth : kDepth>;
   auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kScoresDepth)) * kTile; };
@@ -1281,9 +1290,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       for (int g = 0; g < kCcTiles; ++g) {
         stage.operator()<kReverse>(tile_of(slot, 2 * kAtoms + g), c_src[g], ops.c_rows().ptr, n);
       }
-      if constexpr (kNormalize && P == Pass::GradQ) {  // (kLayout.row_terms)
+      if constexpr (kNormalize && P != Pass::Forward) {  // (kLayout.row_terms)
+        // (dq's state-only blocks sum k alone; dk's and dv's divide q by den, dk's weight e's sums)
         const int64_t t0 = chunk_begin(it);
-        if (!state_only) row_terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n);
+        const float* dots = P == Pass::GradV ? ops.den + t0 : ops.dout_dot_out + t0;
+        if (!state_only || kReverse) row_terms.stage(slot, {dots, ops.den + t0}, n);
       }
     }
     StageRing<kDepth>::commit_copies();
@@ -1309,7 +1320,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       auto scores = [&](int64_t it, int slot) {
         if constexpr (kProducerScores) {
           if (state_only) return;
-          named_sync(kScoresBarrier, kThreads);
+          named_sync(kLandedBarrier, kThreads);
           float score[32];
           fence();
           scores_of<kHalf, kAtoms>(score, tile_of(slot, 0), tile_of(slot, kAtoms));  // A B^T
@@ -1321,7 +1332,27 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           fence_shared_writes();
         }
       };
-      Ring(kFull, kBlockThreads).produce(walked, stage_chunk, scores);
+      // (kDividesQ) chunk it's staged q divided by its rows' den once every producer thread's
+      // copies of it (den among them) have landed, before it is announced (as wgmma_grad_kv_kernel's)
+      auto divide_q = [&](int64_t it, int slot) {
+        if constexpr (kDividesQ) {
+          named_sync(kLandedBarrier, kThreads);
+          const int n = work.chunk_len(chunk_begin(it), C);
+          const float* den = row_terms.slot(slot) + 64;
+          if constexpr (P == Pass::GradK) {  // q is Cc
+#pragma unroll
+            for (int g = 0; g < kCcTiles; ++g) divide_rows<kHalf>(stage, tile_of(slot, 2 * kAtoms + g), den, n);
+          } else {  // dv: q is B
+#pragma unroll
+            for (int a = 0; a < kAtoms; ++a) divide_rows<kHalf>(stage, tile_of(slot, kAtoms) + a * kTile, den, n);
+          }
+        }
+      };
+      static_assert(!(kProducerScores && kDividesQ), "one use of the landed barrier");
+      Ring(kFull, kBlockThreads).produce(walked, stage_chunk, [&](int64_t it, int slot) {
+        scores(it, slot);
+        divide_q(it, slot);
+      });
       return;
     }
     if constexpr (kReallocate) registers_up_to<kConsumerRegisters>();
@@ -1342,16 +1373,24 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   float state[kStateAtoms][32];
   // S += B^T Cc over the segment's chunks, the ring's first (a state-only block's whole walk, or
   // one launch's summing walk)
-  // (kNormalize: z += the chunks' sums of k as well, read by no other warp here)
+  // (kNormalize: z or e += the chunks' sums as well, read by no other warp here)
   auto sum_own_chunks = [&] {
     for (int64_t j = 0; j < chunks; ++j, ring.advance()) {
       ring.wait();
       fence();
       add_bt_times_c<kHalf>(state, tile_of(ring.slot, kAtoms) + my_atoms, tile_of(ring.slot, my_c));
       commit();
-      if constexpr (kNormalize) {  // (the forward: k as B, this group's atoms; dq: k as this group's Cc)
-        float sums[P == Pass::Forward ? kStateAtoms : 1][2];
-        keys.chunk_sums(sums, P == Pass::Forward ? tile_of(ring.slot, kAtoms) + my_atoms : tile_of(ring.slot, my_c));
+      if constexpr (kNormalize && P == Pass::Forward) {  // (k as B, this group's atoms)
+        float sums[kStateAtoms][2];
+        keys.chunk_sums(sums, tile_of(ring.slot, kAtoms) + my_atoms);
+        keys.add(sums);
+      } else if constexpr (kExtraRow) {  // (dq: k as this group's Cc; dk: q / den as its Cc, weighted)
+        float sums[1][2];
+        if constexpr (P == Pass::GradQ) {
+          keys.chunk_sums(sums, tile_of(ring.slot, my_c));
+        } else {
+          keys.chunk_sums(sums, tile_of(ring.slot, my_c), row_terms.extra_weights(ring.slot));
+        }
         keys.add(sums);
       }
       wait<0>();
@@ -1389,14 +1428,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       load_start(state[a], p, work.pair, work.segment, Da, Dc, state_only, row0 + 64 * a, m0);
     }
   }
-  // kNormalize: z from the segment's start (zeros in state-only blocks), seen after the ring's first wait
-  if constexpr (kNormalize) {
+  // kNormalize: z (e) from the segment's start (zeros in state-only blocks), seen after the ring's first wait
+  if constexpr (kNormalize && P == Pass::Forward) {
     const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
-    if constexpr (P == Pass::Forward) {
-      keys.set([&](int column) { return !state_only && row0 + column < Da ? start.key_sum(row0 + column) : 0.f; });
-    } else {  // dq: the extra row's start (with with_state_io's z0), this group's columns
-      keys.set([&](int column) { return !state_only && m0 + column < Dc ? start.extra(m0 + column) : 0.f; });
-    }
+    keys.set([&](int column) { return !state_only && row0 + column < Da ? start.key_sum(row0 + column) : 0.f; });
+  } else if constexpr (kExtraRow) {  // the extra row's start (with_state_io's z0, dk's dz1), this group's columns
+    const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
+    keys.set([&](int column) { return !state_only && m0 + column < Dc ? start.extra(m0 + column) : 0.f; });
   }
 
   // Each output times the pass's constant factor (see the file's comment).
@@ -1478,6 +1516,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 #pragma unroll
           for (int i = 0; i < 32; ++i) score[i] += weights[(i % 4) / 2];
         }
+        // dk's: each score of column t plus -dO[t] . O[t] (kSplitRows: likewise the first group's)
+        if (kNormalize && P == Pass::GradK && (!kSplitRows || group == 0)) {
+          add_to_columns(score, row_terms.extra_weights(ring.slot));
+        }
         if constexpr (kNormalize && P == Pass::Forward) {
           uint32_t masked[4][4];
           masked_fragments<kHalf, kReverse>(masked, score);
@@ -1519,9 +1561,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           keys.row_dots(key_dots, at);
           keys.chunk_sums(key_chunk, bt);
         }
-        if constexpr (kNormalize && P == Pass::GradQ) {  // the next chunk's z beside this one's
+        if constexpr (kExtraRow) {  // the next chunk's z (e) beside this one's
           float sums[1][2];
-          keys_of(it).chunk_sums(sums, ct);
+          if constexpr (P == Pass::GradQ) {
+            keys_of(it).chunk_sums(sums, ct);
+          } else {
+            keys_of(it).chunk_sums(sums, ct, row_terms.extra_weights(ring.slot));
+          }
           keys_of(it + 1).assign(keys_of(it), sums);
         }
         if constexpr (kCopyBesideScores) {
@@ -1579,7 +1625,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       if constexpr (kHalf) copy.post_max(state);  // the state after this chunk: read after the next barrier
 
       const int64_t t0 = chunk_begin(it);
-      // the chunk's outputs times the constant factor or (kNormalize) each row's
+      // the chunk's outputs times the constant factor or (kNormalize: the forward's, dq's) each row's
+      constexpr bool kRowFactors = kNormalize && !kReverse;
       auto store_outputs = [&](const auto& factors) {
         store_rows<kHalf>(out, factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
       };
@@ -1620,7 +1667,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
             finish_normalizer({row_sums[0][0], row_sums[1][0]}, {row_sums[0][1], row_sums[1][1]});
           }
           if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
-          if constexpr (kNormalize) {
+          if constexpr (kNormalize && P == Pass::GradK) keys_of(it).add_to_rows(out);  // + e
+          if constexpr (kRowFactors) {
             store_outputs(row_factors);
           } else {
             store_outputs(factor);
@@ -1630,7 +1678,8 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
         if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
-        if constexpr (kNormalize) {
+        if constexpr (kNormalize && P == Pass::GradK) keys_of(it).add_to_rows(out);  // + e
+        if constexpr (kRowFactors) {
           store_outputs(row_factors);
         } else {
           store_outputs(factor);
@@ -1654,7 +1703,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   if constexpr (kNormalize && P == Pass::Forward) {
     if (end.key_sum != nullptr && (kSplitRows || group == 0) && work.col_tile == 0) keys.store(end.key_sum + row0, Da - row0);
   }
-  if constexpr (kNormalize && P == Pass::GradQ) {  // (state-only blocks: their segment's sums of k)
+  if constexpr (kExtraRow) {  // (state-only blocks: their segment's sums of k, or dk's of e)
     if (end.extra != nullptr && (!kSplitRows || group == 0)) keys_of(state_only ? 0 : chunks).store(end.extra + m0, Dc - m0);
   }
 #else
