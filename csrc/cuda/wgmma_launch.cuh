@@ -406,6 +406,19 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     p.state_head = state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
     if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   }
+  // The normalized dk-with-dv kernel's state-only launch (one block a multiprocessor; no one launch
+  // under normalize: its sums would need the extra row) in heads and tails likewise: at bf16
+  // 4,16,8192,64 it summed its one segment on 64 blocks of 132, 69 MB in 66 us, 31% of the DRAM
+  // peak (ncu, H100, RESULTS.md, fifty-fifth session); in heads and tails the kernel's two
+  // launches took 0.2102 -> 0.1873 ms. Not the wide kernel's: at 1,16,32768,128 (112 state-only
+  // blocks of 132, heads of 55 chunks) its launches took 0.5052 -> 0.5241 (fifty-sixth session).
+  // FAST_CAUSAL_ATTN_TC_STATE_HEAD=0: whole segments, for measuring.
+  if constexpr (P == Pass::GradKV) {
+    if (p.normalize && !wide) {
+      p.state_head =
+          state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
+    }
+  }
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
