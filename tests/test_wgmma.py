@@ -895,8 +895,9 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     instances, dk with dv in one pass on wgmma_grad_kv_kernel where E and M are up to 64 and on
     wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 as two
     reverse passes of wgmma_product_kernel (dk's extra row beside, q / den staged), and no mma.sync
-    kernel anywhere. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
-    one-warpgroup instance has the normalizer)."""
+    kernel anywhere; dO . O made by dq's producer where dq runs at up to two atoms in one
+    column tile, else by backward_prepare_kernel. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four
+    atoms to mma.sync (no one-warpgroup instance has the normalizer)."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
@@ -916,6 +917,10 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     assert any("wgmma_grad_kv_wide_kernel" in n for n in names) == (fused and not narrow), names
     dq = {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
     assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
+    # dO . O made by dq's producer where dq runs at up to two atoms in one column tile (64 of E a
+    # group), else by backward_prepare_kernel before it
+    dq_makes_dots = atoms(M) <= 2 and E <= 128
+    assert any("backward_prepare" in n for n in names) != dq_makes_dots, names
     # dk's Da is M, dv's E: one warpgroup, or four atoms on two
     two_passes = set() if fused else {("2", atoms(M), 2 if atoms(M) == 4 else 1),
                                       ("3", atoms(E), 2 if atoms(E) == 4 else 1)}

@@ -85,9 +85,13 @@ int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_
 namespace {
 
 // dout_dot_out[t] = dO[t] . O[t]: the one reduction over M that the normalized gradients of
-// q and k need per timestep (flash-attention's backward prepares its dO . O the same way). `lanes`
-// lanes a row (a power of two up to a warp), each reading kVector elements at a time: 16-byte
-// vectors where both tensors' rows are whole aligned vectors (vector_rows), else one element.
+// q and k need per timestep (flash-attention's backward prepares its dO . O the same way), where
+// the dq pass does not make them itself (grad_q_makes_dots: the 16-bit wgmma dq in one column
+// tile, whose producer reads O beside its staged dO: bf16 4,16,8192,64 dq 0.0971 + this
+// kernel's 0.0501 ms -> dq 0.1246, normalized fwd+bwd 0.511 -> 0.481; H100, RESULTS.md,
+// fifty-sixth session). `lanes` lanes a row (a power of two up to a warp), each reading kVector
+// elements at a time: 16-byte vectors where both tensors' rows are whole aligned vectors
+// (vector_rows), else one element.
 // One lane a 4-byte piece of a row, as this kernel first read them, took 70 us for the 67 MB of
 // bf16 8,16,2048,64 (H100, RESULTS.md, fifty-third session), a third of the copy bandwidth.
 template <typename scalar_t, int kVector>
@@ -175,8 +179,13 @@ void launch_backward_cuda(const BackwardParams& params) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
     dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
     p.dout_dot_out = dout_dot_out.data_ptr();
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
-                                    [&] { launch_backward_prepare<scalar_t>(p, stream); });
+    // made by the dq pass where it can (its kernel's producer reads O beside the dO it stages),
+    // else here, before it
+    p.dots_in_grad_q = grad_q_pass_makes_dots(p);
+    if (!p.dots_in_grad_q) {
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
+                                      [&] { launch_backward_prepare<scalar_t>(p, stream); });
+    }
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200

@@ -124,11 +124,18 @@ bool on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc) {
 // the mma.sync kernels otherwise (and whenever FAST_CAUSAL_ATTN_KERNEL=tensorcore forces the
 // family, so that their tests keep testing them).
 template <Pass P, typename scalar_t>
-ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+bool on_wgmma(const KernelParams& p, int64_t Da, int64_t Dc) {
   if constexpr (kWgmmaPass<P, scalar_t> && P != Pass::GradKV) {  // (GradKV: run_grad_kv)
-    if (forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc)) {
-      return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
-    }
+    return forced_family() == Family::Default && wgmma_takes<P, scalar_t>(p, Da, Dc);
+  } else {
+    (void)p, (void)Da, (void)Dc;
+    return false;
+  }
+}
+template <Pass P, typename scalar_t>
+ForwardSegments run_on_tensor_cores(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  if constexpr (kWgmmaPass<P, scalar_t> && P != Pass::GradKV) {
+    if (on_wgmma<P, scalar_t>(p, Da, Dc)) return launch_wgmma<P, scalar_t>(p, Da, Dc, stream);
   }
   return run_tensorcore<P, scalar_t>(p, Da, Dc, stream);
 }
@@ -162,6 +169,26 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
     run_recurrent<P, scalar_t>(p, Da, Dc, stream);
   }
   return {};
+}
+
+// Whether the normalized dq pass makes dO . O itself (KernelParams::dots_in_grad_q, launch_backward_cuda):
+// where it runs on the 16-bit wgmma kernel (as run_pass sends it) at up to two atoms (M <= 128;
+// wgmma_product_kernel's kMakesDots) in one column tile (E <= 64, or <= 128 on two warpgroups),
+// so that each row's dot is made once: with more tiles each would read O again, where
+// backward_prepare_kernel reads dO and O once for all.
+template <typename scalar_t>
+bool grad_q_makes_dots(const KernelParams& params) {
+  if constexpr (!kWgmmaInput<scalar_t>) {
+    (void)params;
+    return false;
+  } else {
+    const KernelParams p = with_state_io<Pass::GradQ>(params);
+    const int64_t Da = p.M, Dc = p.E;  // (run_pass's, dq's a is dO)
+    return p.normalize && on_tensor_cores<Pass::GradQ, scalar_t>(p, Da, Dc) &&
+           on_wgmma<Pass::GradQ, scalar_t>(p, Da, Dc) &&
+           wgmma_pass_layout<Pass::GradQ, scalar_t>(Da, Dc, true).atoms <= 2 &&
+           wgmma_column_tiles<Pass::GradQ, scalar_t>(Da, Dc, true) == 1;
+  }
 }
 
 // Whether pass P, with the state's Da rows and Dc columns, runs on the recurrent family (see run_pass).
@@ -249,6 +276,7 @@ ForwardSegments run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
 // One compile unit each (csrc/cuda/pass_*.cu), so that builds run in parallel.
 ForwardSegments run_forward_pass(const KernelParams& p, cudaStream_t stream);
 void run_grad_q_pass(const KernelParams& p, cudaStream_t stream);
+bool grad_q_pass_makes_dots(const KernelParams& p);  // grad_q_makes_dots for p's dtype
 ForwardSegments run_grad_k_pass(const KernelParams& p, cudaStream_t stream);  // dk's segment starts, where kept
 void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);
 bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream);  // false: run the two passes

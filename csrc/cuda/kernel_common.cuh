@@ -28,9 +28,12 @@ constexpr int kWarp = 32;
 enum class Pass { Forward, GradQ, GradK, GradV, GradKV };
 
 struct KernelParams : BackwardParams {
-  // dO[t] . O[t], made by backward_prepare_kernel when normalize (the normalizer's gradient is
-  // -dout_dot_out[t] / den[t]).
+  // dO[t] . O[t] when normalize (the normalizer's gradient is -dout_dot_out[t] / den[t]): made by
+  // backward_prepare_kernel before the dq pass, or by the dq pass itself where dots_in_grad_q (the
+  // 16-bit wgmma kernel in one column tile: its producer reads O beside its staged dO), read by
+  // the dk pass after it.
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
+  bool dots_in_grad_q = false;
 
   // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).

@@ -277,6 +277,29 @@ bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, cudaStream_t 
   }
 }
 
+// Pass P's layout at Da and Dc (launch_wgmma_kernels'): 16-bit, one pass alone, Da in one, two or
+// four atoms; the forward and dq with Dc above 64 and Da up to 128 on two warpgroups sharing A and
+// B, dk and dv (two reverse passes) up to 128 on one; at four atoms, every pass on two, the
+// state's rows split between them (FAST_CAUSAL_ATTN_WGMMA_GROUPS=1: one). float32 and dk with dv:
+// one atom, one group (their kernels' own layouts).
+template <Pass P, typename scalar_t>
+wgmma::ProductLayout wgmma_pass_layout(int64_t Da, int64_t Dc, bool normalize) {
+  constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+  const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
+  const int groups = !kFloat && P != Pass::GradKV && !wgmma_one_group_forced() &&
+                             (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
+                         ? 2
+                         : 1;
+  return wgmma::product_layout(P, atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize);
+}
+// Pass P's column tiles at Dc (a block's columns of Cc, the state and the outputs: 64 a group, or
+// 64 where the state's rows split; dk with dv: all in one)
+template <Pass P, typename scalar_t>
+int64_t wgmma_column_tiles(int64_t Da, int64_t Dc, bool normalize) {
+  const int64_t tile_columns = wgmma::C * wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize).cc_tiles();
+  return P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
+}
+
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
@@ -303,17 +326,10 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
-  const int atoms = kFloat || P == Pass::GradKV ? 1 : Da > 128 ? 4 : Da > 64 ? 2 : 1;
-  const bool one_group = wgmma_one_group_forced();
-  const int groups = !kFloat && P != Pass::GradKV && !one_group &&
-                             (atoms == 4 || ((P == Pass::Forward || P == Pass::GradQ) && Dc > 64))
-                         ? 2
-                         : 1;
   const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups)
-  const wgmma::ProductLayout layout =
-      wgmma::product_layout(P, atoms, groups, std::is_same_v<scalar_t, at::Half>, normalize);
-  const int64_t tile_columns = C * layout.cc_tiles();
-  const int64_t col_tiles = P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
+  const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
+  const int atoms = layout.atoms, groups = layout.groups;
+  const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
   const int row_parts = kFloat ? tf32_row_parts(Da) : 1;
   const int64_t row_tiles = kFloat ? (Da + C * row_parts - 1) / (C * row_parts) : 1;

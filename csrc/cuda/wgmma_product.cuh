@@ -1054,17 +1054,64 @@ struct RowTerms {
   static_assert(kTerms == 1 || kTerms == 2, "a producer thread a row's term");
   float* at;  // [slots][kTerms][64], shared
   __device__ const float* slot(int s) const { return at + s * kTerms * 64; }
-  // (the producer) from[term][0 .. n) into slot s
-  __device__ void stage(int s, const float* const (&from)[kTerms], int n) const {
+  // (the producer) from[term][0 .. n) into slot s, but term `made` (-1: none), which the
+  // producer writes itself (put: the dq pass's dO . O where it makes them)
+  __device__ void stage(int s, const float* const (&from)[kTerms], int n, int made = -1) const {
     const int thread = int(threadIdx.x % kThreads), term = thread / 64, row = thread % 64;
-    if (term < kTerms) copy_4(smem_address(slot(s) + 64 * term + row), from[term] + (row < n ? row : 0), row < n);
+    if (term < kTerms && term != made) {
+      copy_4(smem_address(slot(s) + 64 * term + row), from[term] + (row < n ? row : 0), row < n);
+    }
   }
+  __device__ void put(int s, int term, int row, float value) const { at[s * kTerms * 64 + 64 * term + row] = value; }
   // dk's extra row's b in slot s, -dO[t] . O[t] of row t (zero past the chunk's rows), as a weight
   // a row (KeySums::chunk_sums, add_to_columns)
   __device__ auto extra_weights(int s) const {
     return [dots = slot(s)](int row) { return -dots[row]; };
   }
 };
+
+// The L2 line holding `at` fetched ahead (a hint: no fault, nothing waits for it)
+__device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at)); }
+
+// dO[t] . O[t] of the chunk's rows Stager::row0 + 16 i (the dq pass where it makes them,
+// KernelParams::dots_in_grad_q): this thread's pieces of the staged dO (A: kAtoms atoms at a_tile,
+// its own copies landed) times the same pieces of O, read from global memory (o: the chunk's first
+// row, o_l apart; prefetched to the L2 when the chunk was staged), then summed over the row's eight
+// lanes. Rows past n and atoms outside the operand's width (`inside`: Source's bits) give 0.
+// backward_prepare_kernel read dO a second time for these (bf16 4,16,8192,64: 47.7 us of the
+// normalized backward, 136 MB; ncu, H100, RESULTS.md, fifty-fifth session).
+template <bool kHalf, int kAtoms, typename scalar_t>
+__device__ __forceinline__ void row_dots(float (&dots)[4], const Stager& stage, uint32_t a_tile, const scalar_t* o,
+                                         int64_t o_l, uint32_t inside, int n) {
+  static_assert(kAtoms <= 2, "up to two atoms (at four the producer's registers spilled)");
+#pragma unroll
+  for (int i = 0; i < 4; ++i) dots[i] = 0.f;
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a) {
+    if (((inside >> a) & 1u) == 0) continue;
+    uint4 from_o[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = stage.row0 + 16 * i;
+      from_o[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(o + row * o_l + stage.col + 64 * a))
+                          : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 d = tensorcore::load_shared_16(a_tile + a * kTile + stage.piece0 + 2048 * i);
+      const uint32_t dw[4] = {d.x, d.y, d.z, d.w}, ow[4] = {from_o[i].x, from_o[i].y, from_o[i].z, from_o[i].w};
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const float2 x = unpack<kHalf>(dw[w]), y = unpack<kHalf>(ow[w]);
+        dots[i] = fmaf(x.y, y.y, fmaf(x.x, y.x, dots[i]));
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int lanes = 1; lanes < 8; lanes *= 2) dots[i] += __shfl_xor_sync(0xffffffffu, dots[i], lanes);
+}
 
 // weight(t) added to every score of column t of an accumulator (columns 8 j + 2 q4, + 1): dk's
 // extra row in V dO^T, before the mask
@@ -1232,6 +1279,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   const Operands<P, scalar_t, float> ops = work.operands(p);
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;  // the segment's own B^T Cc alone (launch_segmented's first launch)
+  // the normalized dq pass makes dO . O itself (KernelParams::dots_in_grad_q: one column tile, up
+  // to two atoms), from O's rows beside its staged dO (row_dots)
+  constexpr bool kMakesDots = kNormalize && P == Pass::GradQ && kAtoms <= 2;
+  const bool makes_dots = kMakesDots && p.dots_in_grad_q;
+  const scalar_t* const o_rows =
+      makes_dots ? static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(work.seq.b, work.seq.h, work.seq.begin) : nullptr;
+  const int64_t o_l = p.o.stride_l;
   // this group's first column of Cc, the state and the outputs, and first row of the state
   const int64_t m0 = work.m0 + (kSplitRows ? 0 : C * group), row0 = kSplitRows ? 64 * kStateAtoms * group : 0;
   const uint32_t my_atoms = uint32_t(row0 / 64) * kTile;  // this group's A and B atoms in their tiles
@@ -1294,7 +1348,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         // (dq's state-only blocks sum k alone; dk's and dv's divide q by den, dk's weight e's sums)
         const int64_t t0 = chunk_begin(it);
         const float* dots = P == Pass::GradV ? ops.den + t0 : ops.dout_dot_out + t0;
-        if (!state_only || kReverse) row_terms.stage(slot, {dots, ops.den + t0}, n);
+        if (!state_only || kReverse) row_terms.stage(slot, {dots, ops.den + t0}, n, makes_dots ? 0 : -1);
+        if (makes_dots && !state_only) {  // O's rows of the chunk to the L2 for row_dots, a line once
+#pragma unroll
+          for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // (an atom's 128 bytes of a row: the lines of its first and last pieces)
+              const bool ends = stage.col == 0 || stage.col == 56;
+              if (ends && ((a_src.inside >> a) & 1u) && stage.row0 + 16 * i < n) {
+                prefetch_l2(o_rows + (t0 + stage.row0 + 16 * i) * o_l + stage.col + 64 * a);
+              }
+            }
+        }
       }
     }
     StageRing<kDepth>::commit_copies();
@@ -1304,7 +1369,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     constexpr int kLaunchRegisters = 65536 / (kBlockThreads * product_blocks_per_sm(kAtoms, kGroups)) / 8 * 8;
     constexpr bool kReallocate = kLaunchRegisters < 255;
     // (the producer's scores: 32 accumulators and 16 fragments more than its copies take)
-    constexpr int kProducerRegisters = kProducerScores ? 88 : kGroups == 2 ? 56 : 48;
+    // (the normalized dq's row_dots: O's pieces and dO's, 16 registers each, beside its copies; 56
+    // spilled them at two groups)
+    constexpr int kProducerRegisters = kProducerScores ? 88 : kGroups == 2 ? (kMakesDots ? 72 : 56) : 48;
     constexpr int kConsumerRegisters = kProducerScores ? 208 : kGroups == 2 ? 216 : 208;
     static_assert(!kReallocate || kGroups * kConsumerRegisters + kProducerRegisters <= (kGroups + 1) * kLaunchRegisters,
                   "the block's registers at launch");
@@ -1348,10 +1415,31 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           }
         }
       };
+      // (makes_dots) chunk it's dO . O, from this thread's own landed pieces of dO, into the slot's
+      // row terms for the consumers (before the chunk is announced) and into dout_dot_out for the
+      // dk pass after this one
+      auto dots_of = [&](int64_t it, int slot) {
+        if constexpr (kMakesDots) {
+          if (!makes_dots || state_only) return;
+          const int64_t t0 = chunk_begin(it);
+          const int n = work.chunk_len(t0, C);
+          float dots[4];
+          row_dots<kHalf, kAtoms>(dots, stage, tile_of(slot, 0), o_rows + t0 * o_l, o_l, a_src.inside, n);
+          if (stage.col != 0) return;
+          float* const to = static_cast<float*>(p.dout_dot_out) + work.den_row + t0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int row = stage.row0 + 16 * i;
+            row_terms.put(slot, 0, row, dots[i]);  // (0 past n)
+            if (row < n) to[row] = dots[i];
+          }
+        }
+      };
       static_assert(!(kProducerScores && kDividesQ), "one use of the landed barrier");
       Ring(kFull, kBlockThreads).produce(walked, stage_chunk, [&](int64_t it, int slot) {
         scores(it, slot);
         divide_q(it, slot);
+        dots_of(it, slot);
       });
       return;
     }
