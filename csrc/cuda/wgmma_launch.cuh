@@ -409,31 +409,27 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
-  // float32's state-only launch in heads and tails where its blocks would leave multiprocessors
-  // idle (choose_state_head; one block a multiprocessor): 1,16,32768,128 sums its first segment
-  // on 64 blocks (16 pairs x 4 tiles) of 132 in whole segments, on 128 in heads and tails
-  // (RESULTS.md, thirty-fifth session). The 16-bit state-only launch is not short of blocks (its
-  // pass fills the device at 2 blocks a multiprocessor) and measured 2-11% slower with them
-  // (thirty-third session). FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole
-  // segments) for float32, for measuring.
-  // Its blocks stage their chunks in a ring of their own, deeper than the pass's (wgmma_tf32::Layout);
-  // FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2 gives them the pass's ring, for measuring.
-  if constexpr (kFloat) {
+  // The state-only launch in heads and tails where its blocks would leave multiprocessors idle
+  // (choose_state_head; one block a multiprocessor):
+  //  - float32's: 1,16,32768,128 sums its first segment on 64 blocks (16 pairs x 4 tiles) of 132
+  //    in whole segments, on 128 in heads and tails (RESULTS.md, thirty-fifth session);
+  //  - the normalized narrow dk-with-dv kernel's (no one launch under normalize: its sums would
+  //    need the extra row): at bf16 4,16,8192,64 it summed its one segment on 64 blocks of 132, 69
+  //    MB in 66 us, 31% of the DRAM peak (ncu, H100, fifty-fifth session); in heads and tails the
+  //    kernel's two launches took 0.2102 -> 0.1873 ms. Not the wide kernel's: at 1,16,32768,128
+  //    (112 state-only blocks of 132, heads of 55 chunks) its launches took 0.5052 -> 0.5241
+  //    (fifty-sixth session).
+  // The other 16-bit state-only launches are not short of blocks (their pass fills the device at 2
+  // blocks a multiprocessor) and measured 2-11% slower with them (thirty-third session).
+  // FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole segments) where they run,
+  // for measuring.
+  if (kFloat || (P == Pass::GradKV && p.normalize && !wide)) {
     p.state_head = state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
-    if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   }
-  // The normalized dk-with-dv kernel's state-only launch (one block a multiprocessor; no one launch
-  // under normalize: its sums would need the extra row) in heads and tails likewise: at bf16
-  // 4,16,8192,64 it summed its one segment on 64 blocks of 132, 69 MB in 66 us, 31% of the DRAM
-  // peak (ncu, H100, RESULTS.md, fifty-fifth session); in heads and tails the kernel's two
-  // launches took 0.2102 -> 0.1873 ms. Not the wide kernel's: at 1,16,32768,128 (112 state-only
-  // blocks of 132, heads of 55 chunks) its launches took 0.5052 -> 0.5241 (fifty-sixth session).
-  // FAST_CAUSAL_ATTN_TC_STATE_HEAD=0: whole segments, for measuring.
-  if constexpr (P == Pass::GradKV) {
-    if (p.normalize && !wide) {
-      p.state_head =
-          state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
-    }
+  // float32's state-only blocks stage their chunks in a ring of their own, deeper than the pass's
+  // (wgmma_tf32::Layout); FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2 gives them the pass's ring, for measuring.
+  if constexpr (kFloat) {
+    if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   }
   // dk with dv in one launch read no scanned starts and keep none: no regions for them
   const SegmentWorkspace workspace =

@@ -1715,8 +1715,18 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       const int64_t t0 = chunk_begin(it);
       // the chunk's outputs times the constant factor or (kNormalize: the forward's, dq's) each row's
       constexpr bool kRowFactors = kNormalize && !kReverse;
-      auto store_outputs = [&](const auto& factors) {
-        store_rows<kHalf>(out, factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+      // the extra rows' terms (dq: each row's a times z; dk: e) added, then the outputs stored
+      auto finish_outputs = [&] {
+        if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
+        if constexpr (kNormalize && P == Pass::GradK) keys_of(it).add_to_rows(out);  // + e
+        auto store_outputs = [&](const auto& factors) {
+          store_rows<kHalf>(out, factors, staging, ops.out + t0 * ops.out_l + m0, ops.out_l, work.chunk_len(t0, C), cols);
+        };
+        if constexpr (kRowFactors) {
+          store_outputs(row_factors);
+        } else {
+          store_outputs(factor);
+        }
       };
       if constexpr (kSplitRows) {
         // the second group's partial output to the first, warp w to warp w (named barrier 1 + w
@@ -1754,24 +1764,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
             }
             finish_normalizer({row_sums[0][0], row_sums[1][0]}, {row_sums[0][1], row_sums[1][1]});
           }
-          if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
-          if constexpr (kNormalize && P == Pass::GradK) keys_of(it).add_to_rows(out);  // + e
-          if constexpr (kRowFactors) {
-            store_outputs(row_factors);
-          } else {
-            store_outputs(factor);
-          }
+          finish_outputs();
         }
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
-        if constexpr (kNormalize && P == Pass::GradQ) keys_of(it).add_scaled_to_rows(out, row_weights);  // + a z
-        if constexpr (kNormalize && P == Pass::GradK) keys_of(it).add_to_rows(out);  // + e
-        if constexpr (kRowFactors) {
-          store_outputs(row_factors);
-        } else {
-          store_outputs(factor);
-        }
+        finish_outputs();
       }
       if constexpr (kStateBehindOutputs) {
         wait<0>();  // the state's update, before its next copy
