@@ -1125,8 +1125,9 @@ __device__ __forceinline__ void add_to_columns(float (&score)[32], Weight&& weig
   }
 }
 
-// The normalized backward's q rows divided by their den (wgmma_grad_kv_kernel's kNormalize: q / den
-// is dv's B and dk's Cc, as the mma.sync kernels' staged operand), in place by the producer thread
+// The normalized backward's rows divided by their den (wgmma_grad_kv_kernel's kNormalize: q / den
+// is dv's B and dk's Cc, as the mma.sync kernels' staged operand; wgmma_product_kernel's dv divides
+// its Cc, dO, instead), in place by the producer thread
 // that copied them: its own pieces of the staged tile (Stager's rows row0 + 16 i of its column
 // group, its copies landed), row r times 1 / den[r] in float32 and rounded once; rows past n are
 // zeros and stay so. Then fenced for wgmma. den: the chunk's, in its slot's row terms. The four
@@ -1214,13 +1215,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr ProductLayout kLayout = product_layout(P, kAtoms, kGroups, kHalf, kNormalize);
   // the normalizer: the forward (den, KeySums) and dq (the extra row, KeySums), each group's copy
-  // beside its scores; dk (the extra row e, KeySums) and dv take q / den, which the producer
-  // divides in place (kDividesQ). Up to two atoms, or four on two groups (kSplitRows: each group's
+  // beside its scores; dk (the extra row e, KeySums) takes q / den, dv dO / den, its Cc, which the
+  // producer divides in place (kDividesQ). Up to two atoms, or four on two groups (kSplitRows: each group's
   // row sums over its half of Da, the second's added to the first's beside its partial outputs;
   // the extra rows' terms in the first group's partial scores and summed outputs alone)
   static_assert(!kNormalize || (!kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
                 "normalize: Da up to 128, or 256 on two warpgroups");
-  // (kNormalize) dk's and dv's q / den: dk's Cc, dv's B, divided by the producer once staged
+  // (kNormalize) dk's q / den and dv's dO / den: their Cc, divided by the producer once staged
   constexpr bool kDividesQ = kNormalize && kReverse;
   // (kNormalize) the extra row's key sums (KeySums): dq's z (the sums of k, its Cc) and dk's e (the
   // sums of its Cc q / den weighted by -dO[t] . O[t]), each over this group's Cc columns
@@ -1399,20 +1400,19 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           fence_shared_writes();
         }
       };
-      // (kDividesQ) chunk it's staged q divided by its rows' den once every producer thread's
-      // copies of it (den among them) have landed, before it is announced (as wgmma_grad_kv_kernel's)
+      // (kDividesQ) chunk it's staged Cc divided by its rows' den once every producer thread's
+      // copies of it (den among them) have landed, before it is announced (as wgmma_grad_kv_kernel's):
+      // dk's Cc is q; dv's is dO, where its 1 / den[t] goes as well as into q (B): row t of Cc is
+      // column t of the scores in P Cc and row t of B^T Cc, so both products see it once, and Cc
+      // is one tile where B is kAtoms (dv dividing B's four atoms at bf16 4,16,2048,256 took 0.301
+      // ms where dk took 0.215; H100, RESULTS.md, fifty-sixth session)
       auto divide_q = [&](int64_t it, int slot) {
         if constexpr (kDividesQ) {
           named_sync(kLandedBarrier, kThreads);
           const int n = work.chunk_len(chunk_begin(it), C);
           const float* den = row_terms.slot(slot) + 64;
-          if constexpr (P == Pass::GradK) {  // q is Cc
 #pragma unroll
-            for (int g = 0; g < kCcTiles; ++g) divide_rows<kHalf>(stage, tile_of(slot, 2 * kAtoms + g), den, n);
-          } else {  // dv: q is B
-#pragma unroll
-            for (int a = 0; a < kAtoms; ++a) divide_rows<kHalf>(stage, tile_of(slot, kAtoms) + a * kTile, den, n);
-          }
+          for (int g = 0; g < kCcTiles; ++g) divide_rows<kHalf>(stage, tile_of(slot, 2 * kAtoms + g), den, n);
         }
       };
       // (makes_dots) chunk it's dO . O, from this thread's own landed pieces of dO, into the slot's
