@@ -481,9 +481,15 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
         assert relative_error(x, y) <= ERROR_FLOOR[torch.bfloat16], name
 
 
+def tf32_arguments(name):
+    """A float32 wgmma kernel's template arguments after its pass: [pass, heads and tails, parts,
+    normalize], as the demangled name spells them."""
+    return name[name.index("Pass)") + 5:].split(">")[0].split(", ")
+
+
 def tf32_kernels(names):
     """The float32 wgmma kernels launched, as (pass, heads and tails) pairs."""
-    return {(n[n.index("Pass)") + 5], "true" in n[n.index("Pass)"):]) for n in names if "wgmma_tf32_product_kernel" in n}
+    return {(a[0], a[1] == "true") for a in map(tf32_arguments, (n for n in names if "wgmma_tf32_product_kernel" in n))}
 
 
 @CUDA
@@ -878,6 +884,71 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
                      lambda q, k, v, s: states_step(q, k, v, s, layout, scale),
                      lambda q, k, v, s, **kw: reference_with_state(q, k, v, s, scale=scale, layout=layout, **kw),
                      exact_in_float32={"final kv", "final k_sum", "grad kv0", "grad k_sum0"})
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
+def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypatch):
+    """float32 under normalize: the forward runs on wgmma_tf32_product_kernel's normalizer instances
+    (KeySum) where the state's rows fit one row tile (E up to 64 on blocks of 64 rows, up to 128 on
+    blocks of 128), heads and tails or the heads alone where the user allowed TF32, in segments
+    through the state-only launch and the scan, and on no mma.sync kernel; its backward stays
+    off the wgmma kernels. Above 128 (den needs all of q's columns, which row tiles split) and at
+    128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward is not on them."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    for E, M in ((64, 64), (40, 96), (128, 128), (100, 40), (16, 200)):
+        q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, E, M, dtype=torch.float32, device="cuda",
+                                                            normalize=True))
+        with cuda_kernels_launched() as names:
+            out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        launched = [tf32_arguments(n) for n in names if "wgmma_tf32_product_kernel" in n]
+        parts = "1" if E <= 64 else "2"
+        assert {tuple(a) for a in launched} == {("0", str(not allow_tf32).lower(), parts, "true")}, (E, M, names)
+        assert any("scan_segments" in n for n in names), (E, M, names)
+        assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+        with cuda_kernels_launched() as names:
+            torch.autograd.grad(out.sum(), (q, k, v))
+        assert not any("wgmma_tf32_product_kernel" in n for n in names), (E, M, names)
+    for E, rows in ((256, None), (160, None), (128, "64")):
+        if rows:
+            monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", rows)
+        q, k, v = make_inputs(2, 3, 300, E, 64, dtype=torch.float32, device="cuda", normalize=True)
+        with cuda_kernels_launched() as names:
+            fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        assert not any("wgmma" in n for n in names), (E, rows, names)
+        monkeypatch.delenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", raising=False)
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("state", ["zero", "given"])
+@pytest.mark.parametrize("scale", [1.0, 0.7])
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
+                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8), (2, 1, 150, 100, 72)], ids=shape_id)
+def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale, state, monkeypatch):
+    """float32 under normalize with the forward on the wgmma kernel where the build has it (the key
+    sum z entering each chunk handed on with S, the chunk's sums of k added from the staged float32
+    k, q . z as one more product against z's float16 head and tail, den from the row sums of the
+    masked scores and q . z, each output row times scale / den; the den it stores read by the
+    backward): in 1 or 3 time segments (the key sums' state-only sums and scan), 64 rows a block
+    or 128, partial chunks, E != M, column tiles, both layouts, scale 1 and 0.7, from zeros or a
+    given state with the final state out: every result within 1e-5 of float64."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", layout=layout, normalize=True,
+                          generator=gen)
+    state0 = list(make_state(B, H, E, M, torch.float32, True)) if state == "given" else []
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
+                                                                   layout=layout, **kw),
+                     exact_in_float32=set(STATE_CALL_RESULTS))
 
 
 @CUDA

@@ -35,9 +35,24 @@ inline bool wgmma_one_group_forced() {
   return groups != nullptr && std::strcmp(groups, "1") == 0;
 }
 
+// The float32 kernel's row tile, in parts of 64 of the state's rows: above 64 rows two (a block
+// over 128 rows: its scores and P Cc computed once for them, where two blocks of 64 computed them
+// twice and summed their outputs; up to 128 no row tiles to sum at all), else one. Measured
+// (H100, do_bench fwd / fwd+bwd ms, 64-row tiles against 128; RESULTS.md, forty-ninth session):
+// 8,16,2048,128 0.383 / 1.605 against 0.305 / 1.271; 1,16,32768,128 0.933 / 3.538 against 0.777 /
+// 2.815 (no memsets); 4,16,2048,256 0.767 / 3.131 against 0.604 / 2.512: each pass's kernels 20%
+// shorter, with two chunk slots where 64-row blocks had four.
+// FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 keeps blocks of 64 rows at any width (=128, the default, is
+// accepted), for measuring and the tests.
+inline int tf32_row_parts(int64_t Da) {
+  const char* forced = std::getenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS");
+  if (forced != nullptr && std::strcmp(forced, "64") == 0) return 1;
+  return Da > 64 ? 2 : 1;
+}
+
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize only in the 16-bit passes (at four atoms on two warpgroups), no states in or out with
-// packed sequences, and
+// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward in one
+// row tile (Da up to 128), no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -93,8 +108,10 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // Normalize: the 16-bit passes (wgmma_product_kernel's kNormalize: the forward's and dq's
     // KeySums, dk's extra row, dk's and dv's q / den; at four atoms only with the state's rows split
     // between two warpgroups), and dk with dv in one pass up to 128 (wgmma_grad_kv_kernel's and the
-    // wide kernel's kNormalize); float32 on mma.sync.
-    if (p.normalize && (kFloat || (P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()))) return false;
+    // wide kernel's kNormalize); float32's forward in one row tile (wgmma_tf32_product_kernel's
+    // kNormalize: den needs all of q's columns), its backward on mma.sync.
+    if (p.normalize && kFloat && (P != Pass::Forward || Da > wgmma::C * tf32_row_parts(Da))) return false;
+    if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
     if (!kFloat && p.cu_seqlens != nullptr && (Da > 128 || Dc > 128 || P == Pass::GradK || P == Pass::GradV)) {
@@ -129,13 +146,23 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
 // 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
-inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
+// for_two: where it takes segments at all, those of two blocks a multiprocessor, each 4 chunks or
+// longer, as the mma.sync dq pass picks them for itself: float32's normalized forward up to M =
+// 64, whose kept starts fix the segments of that pass (two blocks a multiprocessor there). With
+// the forward's own count it ran on half the multiprocessors (H100, fwd+bwd ms, mma.sync forward
+// / wgmma forward with its own count / with these: 4,16,8192,64 1.830 / 2.008 / 1.801;
+// 2,4,8192,64 GPU busy 0.349 / 0.353 / 0.345). A lone segment stays lone: at 8,16,2048,64 two
+// cost the forward a state-only launch (0.132 -> 0.189 ms) for less off dq (0.224 -> 0.202, its
+// own segments behind its own state-only launch): fwd+bwd 0.910 lone, 0.925 in two, 0.934 on
+// mma.sync (RESULTS.md, fifty-seventh session).
+inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem, bool for_two = false) {
   using wgmma::C;
   if (p.cu_seqlens != nullptr) return 1;
   const int64_t sms = multiprocessor_count();
   int64_t segments = choose_segments(blocks, sms / blocks * blocks, p.L, kMinChunksPerSegment * C);
-  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
-    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
+  if (segments > 1 && (2 * (smem + 1024) <= 228 * 1024 || for_two)) {  // 1 KB a block the hardware reserves
+    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L,
+                                                  (for_two ? 1 : 2) * kMinChunksPerSegment * C));
   }
   return segments;
 }
@@ -173,21 +200,6 @@ struct RowTileSums {
     at::from_blob(pass_output<P>(p).ptr, {count}, upper.options()).add_(upper);
   }
 };
-
-// The float32 kernel's row tile, in parts of 64 of the state's rows: above 64 rows two (a block
-// over 128 rows: its scores and P Cc computed once for them, where two blocks of 64 computed them
-// twice and summed their outputs; up to 128 no row tiles to sum at all), else one. Measured
-// (H100, do_bench fwd / fwd+bwd ms, 64-row tiles against 128; RESULTS.md, forty-ninth session):
-// 8,16,2048,128 0.383 / 1.605 against 0.305 / 1.271; 1,16,32768,128 0.933 / 3.538 against 0.777 /
-// 2.815 (no memsets); 4,16,2048,256 0.767 / 3.131 against 0.604 / 2.512: each pass's kernels 20%
-// shorter, with two chunk slots where 64-row blocks had four.
-// FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 keeps blocks of 64 rows at any width (=128, the default, is
-// accepted), for measuring and the tests.
-inline int tf32_row_parts(int64_t Da) {
-  const char* forced = std::getenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS");
-  if (forced != nullptr && std::strcmp(forced, "64") == 0) return 1;
-  return Da > 64 ? 2 : 1;
-}
 
 // Whether float32's row tiles (above one tile of the state's rows: 128, or 64 with
 // FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) run one launch each
@@ -326,7 +338,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
-  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups)
+  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: the forward, one row tile)
   const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
   const int atoms = layout.atoms, groups = layout.groups;
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
@@ -338,7 +350,14 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
-      // float16 heads and tails, or the heads alone where the user allowed TF32
+      // float16 heads and tails, or the heads alone where the user allowed TF32; the forward's
+      // normalizer (KeySum) in its own instances
+      if constexpr (P == Pass::Forward) {
+        if (normalize && row_parts == 2) {
+          return tf32 ? wgmma_tf32_product_kernel<P, false, 2, true> : wgmma_tf32_product_kernel<P, true, 2, true>;
+        }
+        if (normalize) return tf32 ? wgmma_tf32_product_kernel<P, false, 1, true> : wgmma_tf32_product_kernel<P, true, 1, true>;
+      }
       if (row_parts == 2) return tf32 ? wgmma_tf32_product_kernel<P, false, 2> : wgmma_tf32_product_kernel<P, true, 2>;
       return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
     } else if constexpr (P == Pass::GradKV) {
@@ -388,7 +407,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int threads = kFloat              ? (wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads
                       : P == Pass::GradKV ? 2 * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
-  const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts)
+  const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts, normalize)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2) + (normalize ? wgmma::kNormalizedWideBytes : 0)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kNormalizedGradKVBytes : 0)
                                           : layout.smem_bytes();
@@ -405,7 +424,9 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  const int64_t segments = wgmma_segments(p, blocks, smem);
+  // (float32's normalized forward: its dq pass on mma.sync holds two blocks a multiprocessor up to
+  // M = 64, one above)
+  const int64_t segments = wgmma_segments(p, blocks, smem, kFloat && P == Pass::Forward && normalize && p.M <= 64);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);

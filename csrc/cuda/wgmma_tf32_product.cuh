@@ -1,7 +1,7 @@
 // Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
 // reverse passes (where run_grad_kv takes them), float32-accurate from float16 parts (the heads
-// alone where the user allowed TF32, KernelParams::tf32), without normalize: per chunk of C = 64
-// timesteps
+// alone where the user allowed TF32, KernelParams::tf32), and under normalize the forward (its
+// normalizer: KeySum, up to 128 of the state's rows): per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
@@ -66,36 +66,43 @@ constexpr int kHalfTile = 64 * 64 * 2;  // bytes of a 64 x 64 float16 tile (one 
 // slot: B's kParts tiles (the row tile's columns of k, 64 each), Cc's one and A's kParts tiles
 // (q's), as staged (float32), then as derived (float16: head at the tile, tail kHalfTile on); then
 // the state's float32 master and S16's heads and tails, kParts tiles each (each consumer thread
-// its own 32 elements of a master tile, the accumulator layout); then each consumer's warps'
-// largest |A|, |B|, |Cc| and |S| (4 x 4 floats), each consumer's published σ (its biased
-// exponent), the mbarriers: hand_off (kConsumers), full and empty (kRing each). Four slots at 64
-// rows (48 KB each), two at 128 (80 KB): 224 KB either way.
+// its own 32 elements of a master tile, the accumulator layout); then (kNormalize) the key sum's
+// copy Z16, one 1 KB tile a part (KeySum), and its float32 master (kRows floats); then each
+// consumer's warps' largest |A|, |B|, |Cc|, |S| (and |z|), 4 floats each, each consumer's published
+// σ (its biased exponent) and ζ (z's), the mbarriers: hand_off (kConsumers), full and empty (kRing
+// each). Four slots at 64 rows (48 KB each), two at 128 (80 KB): 224 KB either way, the normalizer
+// 1.25 KB or 2.5 KB more.
 // A state-only block stages B and Cc alone, the first kStateSlotBytes of a slot, in a ring of its
 // own: kStateSlots slots of that size from 0, over the master's place (six of 32 KB at 64 rows,
 // four of 48 KB at 128), its consumers' totals meeting after the ring (kStateHandOff, over S16 at
-// 128 rows: neither is used there). With the pass's ring its copies waited on the consumers
-// holding both slots and the consumers on the copies (ncu, 1,16,32768,128: 46% of its stall
-// samples; DRAM 68% busy; RESULTS.md, fiftieth session).
-template <int kParts>
+// 128 rows: neither is used there; the key sums' totals in their master's place). With the
+// pass's ring its copies waited on the consumers holding both slots and the consumers on the
+// copies (ncu, 1,16,32768,128: 46% of its stall samples; DRAM 68% busy; RESULTS.md, fiftieth
+// session).
+template <int kParts, bool kNormalize = false>
 struct Layout {
   static constexpr int kSlots = kParts == 1 ? 4 : 2;  // chunks staged: chunk it in slot it % kSlots
   static constexpr int kSlotBytes = (2 * kParts + 1) * kTile;
   static constexpr int kB = 0, kCc = kParts * kTile, kA = (kParts + 1) * kTile;
   static constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kParts * kTile;
-  static constexpr int kWarpMax = kS16 + kParts * 2 * kHalfTile;
-  static constexpr int kStateSlotBytes = kA;  // B and Cc
+  static constexpr int kZ16 = kS16 + kParts * 2 * kHalfTile;  // (kNormalize) 1024-aligned: the swizzle's period
+  static constexpr int kKeyMaster = kZ16 + (kNormalize ? kParts * 1024 : 0);
+  static constexpr int kWarpMax = kKeyMaster + (kNormalize ? kParts * 64 * 4 : 0);
+  static constexpr int kMaxima = kNormalize ? 5 : 4;  // operands whose largest |x| the warps offer
+  static constexpr int kStateSlotBytes = kA;          // B and Cc
   static constexpr int kStateSlots = kS16 / kStateSlotBytes / kConsumers * kConsumers;
   static constexpr int kStateHandOff = kStateSlots * kStateSlotBytes;
   static constexpr int kRing = kStateSlots > kSlots ? kStateSlots : kSlots;  // mbarriers a kind
-  static constexpr int kSigma = kWarpMax + kConsumers * 4 * 4 * 4;
-  static constexpr size_t kHandOffs = size_t(kSigma + kConsumers * 4 + 7) / 8 * 8;
+  static constexpr int kSigma = kWarpMax + kConsumers * kMaxima * 4 * 4;   // σ, then ζ, a consumer each
+  static constexpr size_t kHandOffs = size_t(kSigma + (kNormalize ? 2 : 1) * kConsumers * 4 + 7) / 8 * 8;
   static constexpr size_t kFullBars = kHandOffs + kConsumers * sizeof(uint64_t);
   static constexpr size_t kEmptyBars = kFullBars + kRing * sizeof(uint64_t);
   static constexpr size_t kSmemBytes = kEmptyBars + kRing * sizeof(uint64_t);
   static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
-  static_assert(kSlotBytes % 1024 == 0 && kStateSlotBytes % 1024 == 0 && kS16 % 1024 == 0, "the swizzle's period");
+  static_assert(kSlotBytes % 1024 == 0 && kStateSlotBytes % 1024 == 0 && kS16 % 1024 == 0 && kZ16 % 1024 == 0,
+                "the swizzle's period");
   static_assert(kSlots % kConsumers == 0 && kStateSlots % kConsumers == 0, "a slot's chunks go to one consumer");
-  static_assert(kStateSlots >= kSlots && kStateHandOff + kParts * kTile <= kWarpMax, "the state-only ring's place");
+  static_assert(kStateSlots >= kSlots && kStateHandOff + kParts * kTile <= kZ16, "the state-only ring's place");
 };
 // A ring of kDepth chunk slots of kBytes each from shared memory's start: chunk it in slot it %
 // kDepth, its use of the slot's mbarriers that slot's (it / kDepth)-th phase
@@ -106,8 +113,11 @@ struct Ring {
   __device__ static uint32_t index(int64_t it) { return uint32_t(it % kDepth); }
   __device__ static uint32_t phase(int64_t it) { return uint32_t(it / kDepth) & 1u; }
 };
-// The block's bytes of shared memory for a row tile of `parts` x 64 rows
-inline size_t smem_bytes(int parts) { return parts == 2 ? Layout<2>::kSmemBytes : Layout<1>::kSmemBytes; }
+// The block's bytes of shared memory for a row tile of `parts` x 64 rows (normalize: the key sum's)
+inline size_t smem_bytes(int parts, bool normalize = false) {
+  if (normalize) return parts == 2 ? Layout<2, true>::kSmemBytes : Layout<1, true>::kSmemBytes;
+  return parts == 2 ? Layout<2>::kSmemBytes : Layout<1>::kSmemBytes;
+}
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using wgmma::descriptor;
@@ -297,6 +307,114 @@ struct Stager {
     src.next += kBack ? -8 * src.piece_step : 8 * src.piece_step;
   }
 };
+
+// The forward's normalizer (wgmma_tf32_product_kernel's kNormalize): den[t] = eps + scale (the
+// row sum of the chunk's masked scores + q[t] . z), z the key sum entering the chunk over the
+// block's rows of the state (so one row tile: Da up to 128). z's float32 master lies in shared
+// memory and is handed from consumer to consumer with S (publish): lanes 0-7 of each warp own its
+// columns 64 j + 16 w + 2 l (+1), and add to them the chunk's column sums of k, summed from the
+// staged float32 B before its derivation (chunk_sums: exact float32). Its copy Z16, one K-major
+// tile of 8 rows a part (row 0 the float16 head of z 2^ζ, row 1 the tail, the rest zeros), is B
+// of one more product beside A S: A Z16 in m64n8k16 steps, column 0 of the result A's products
+// with the heads, column 1 with the tails (times_key_sum), q . z = (d0 + d1) 2^-(α + ζ).
+template <int kParts>
+struct KeySum {
+  float* master;  // [kParts 64], shared
+  uint32_t copy;  // Z16's part 0 (shared address; part j 1024 j on)
+  int warp, lane;
+
+  __device__ bool owner() const { return lane < 8; }
+  __device__ int column(int j, int e) const { return 64 * j + 16 * warp + 2 * (lane % 8) + e; }
+  // An owner's columns of the staged float32 B (its parts at `b`, generic) summed over the
+  // chunk's rows (zeros past it): lane l sums rows 8 i + 2 (l / 8) (+1), the four row phases
+  // added by two shuffles.
+  __device__ void chunk_sums(float (&sums)[kParts][2], const unsigned char* b) const {
+    const int phase = lane / 8, c = 16 * warp + 2 * (lane % 8);
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {
+      float lo = 0.f, hi = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int r = 8 * i + 2 * phase + u;  // (Stager's layout: row r, column c of a float32 tile)
+          const float2 x = *reinterpret_cast<const float2*>(b + kTile * j + (c / 32) * 8192 + 128 * r +
+                                                            16 * (((c % 32) / 4) ^ (r % 8)) + 4 * (c % 4));
+          lo += x.x, hi += x.y;
+        }
+#pragma unroll
+      for (int offset = 8; offset < kWarp; offset *= 2) {
+        lo += __shfl_xor_sync(0xffffffffu, lo, offset);
+        hi += __shfl_xor_sync(0xffffffffu, hi, offset);
+      }
+      sums[j][0] = lo, sums[j][1] = hi;
+    }
+  }
+  // An owner's columns of the master into z, plus `add` (non-owners: zeros)
+  __device__ void read(float (&z)[kParts][2], const float (&add)[kParts][2]) const {
+#pragma unroll
+    for (int j = 0; j < kParts; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) z[j][e] = owner() ? master[column(j, e)] + add[j][e] : 0.f;
+  }
+  __device__ void write(const float (&z)[kParts][2]) const {
+    if (!owner()) return;
+#pragma unroll
+    for (int j = 0; j < kParts; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) master[column(j, e)] = z[j][e];
+  }
+  // An owner's largest |z| (others 0)
+  __device__ float largest(const float (&z)[kParts][2]) const {
+    float m = 0.f;
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) m = fmaxf(m, fmaxf(fabsf(z[j][0]), fabsf(z[j][1])));
+    return m;
+  }
+  // An owner's columns of Z16: z times scale, head in row 0, tail in row 1 (element (n, k) of a
+  // K-major tile at 128 n + 16 ((k / 8) ^ n) + 2 (k % 8))
+  template <bool kSplit>
+  __device__ void write_copy(unsigned char* smem_copy, const float (&z)[kParts][2], float scale) const {
+    if (!owner()) return;
+    const int k = 16 * warp + 2 * (lane % 8);
+#pragma unroll
+    for (int j = 0; j < kParts; ++j) {
+      uint32_t head, tail = 0u;
+      split2<kSplit>(z[j][0], z[j][1], scale, head, tail);
+      unsigned char* part = smem_copy + 1024 * j + 2 * (k % 8);
+      *reinterpret_cast<uint32_t*>(part + 16 * (k / 8)) = head;
+      *reinterpret_cast<uint32_t*>(part + 128 + 16 * ((k / 8) ^ 1)) = tail;
+    }
+  }
+  // Z16's rows 2-7 zeroed (once a block, before the first publish), by a warpgroup's threads
+  __device__ static void clear_copy(unsigned char* smem_copy, int tid) {
+    for (int i = tid; i < kParts * 6 * 8; i += kThreads) {
+      const int j = i / 48, piece = i % 48;  // a 16-byte piece of rows 2-7
+      *reinterpret_cast<uint4*>(smem_copy + 1024 * j + 256 + 16 * piece) = make_uint4(0u, 0u, 0u, 0u);
+    }
+  }
+};
+
+// d (+)= A Z16 for one part (KeySum): m64n8k16 in four k16 steps, A a tile's halves (K-major; its
+// tail first where kSplit), Z16 K-major (its 8 rows one swizzle period). d's columns 0 and 1 (lane
+// q4 = 0: d[0], d[1] row g, d[2], d[3] row g + 8) are A's products with z's head and tail.
+__device__ __forceinline__ void mma_n8(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+}
+template <bool kSplit>
+__device__ __forceinline__ void times_key_sum(float (&d)[4], const TileHalves<0>& a, uint32_t z_tile, bool accumulate) {
+  const uint64_t z = descriptor(z_tile);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const bool first = !accumulate && s == 0;
+    if constexpr (kSplit) mma_n8(d, a.tail(s), k16_step<0>(z, s), !first);
+    mma_n8(d, a.head(s), k16_step<0>(z, s), kSplit || !first);
+  }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace wgmma_tf32
@@ -316,7 +434,7 @@ struct Stager {
 // K = 128 (one scale for A's two tiles, one for B's, one σ for S's: the parts' products share
 // their accumulators), and B^T Cc and the state are two tiles: P and P Cc are computed once for
 // the 128 rows where two row tiles of 64 computed them twice and summed their outputs.
-template <Pass P, bool kSplit, int kParts>
+template <Pass P, bool kSplit, int kParts, bool kNormalize = false>
 __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads, 1)
     wgmma_tf32_product_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -324,8 +442,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   using wgmma::commit;
   using wgmma::fence;
   using wgmma::wait;
-  using L = Layout<kParts>;
+  using L = Layout<kParts, kNormalize>;
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
+  static_assert(!kNormalize || P == Pass::Forward, "normalize: the forward (KeySum)");
   static_assert(kParts == 1 || kParts == 2, "a row tile of 64 or 128 of the state's rows");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr int kRows = kParts * C;                    // the state's rows a block holds
@@ -422,9 +541,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // vectors from master + kMasterPart j on
   float4* const master = reinterpret_cast<float4*>(wgmma_smem + L::kMaster) + tid;
   constexpr int kMasterPart = kTile / int(sizeof(float4));
-  // this consumer's warps' largest |x| of operand t (0: A, 1: B, 2: Cc, 3: S), warp_max[4 t + warp]
-  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 16 * me;
+  // this consumer's warps' largest |x| of operand t (0: A, 1: B, 2: Cc, 3: S, 4: z), warp_max[4 t + warp]
+  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 4 * L::kMaxima * me;
   uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
+  uint32_t* const zeta = sigma + kConsumers;  // (kNormalize) each consumer's published ζ
+  // (kNormalize) the key sum entering each chunk and its copy (KeySum)
+  const KeySum<kParts> keys{reinterpret_cast<float*>(wgmma_smem + L::kKeyMaster), base + uint32_t(L::kZ16), warp, lane};
   // The largest |x| of operand t: each thread's, through its warp (redux.sync) and the four warps
   // (warp_max; the caller's kOwn sync between this and tile_exponent)
   auto offer_largest = [&](int t, uint32_t largest_bits) {
@@ -527,8 +649,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // (s16_at ^ 16 jj) + 1024 h + kTile j
   const uint32_t s16_at = uint32_t(L::kS16 + 128 * row + 16 * g + 4 * q4);
   // S (the values in the accumulator layout, kParts tiles) into the master and S16, one scale for
-  // all its parts; S16's scale exponent into sigma[me]
-  auto publish = [&](const float (&s)[kParts][32]) {
+  // all its parts; S16's scale exponent into sigma[me]. (kNormalize) z (an owner's columns) into
+  // its master and Z16, ζ into zeta[me].
+  auto publish = [&](const float (&s)[kParts][32], const float (&z)[kParts][2]) {
     float largest = 0.f;
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
@@ -536,6 +659,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       largest = fmaxf(largest, largest_magnitude<0, 32>(s[j]));
     }
     offer_largest(3, __float_as_uint(largest));
+    if constexpr (kNormalize) {
+      keys.write(z);
+      offer_largest(4, __float_as_uint(keys.largest(z)));
+    }
     named_sync(kOwn + me);
     const uint32_t k = tile_exponent(3);
     const float scale = scale_of(k);
@@ -551,16 +678,33 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           *reinterpret_cast<uint32_t*>(wgmma_smem + at) = head;
           if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
         }
+    if constexpr (kNormalize) {
+      const uint32_t kz = tile_exponent(4);
+      keys.template write_copy<kSplit>(wgmma_smem + L::kZ16, z, scale_of(kz));
+      if (tid == 0) zeta[me] = kz;
+    }
     if (tid == 0) sigma[me] = k;
   };
-  auto store_segment_end = [&](const float (&end)[kParts][32]) {
-    float* const to = SegmentEnd<float>(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece).state;
+  // the state at the segment's end (kNormalize: and z, an owner's columns, from the first column tile)
+  auto store_segment_end = [&](const float (&end)[kParts][32], const float (&z)[kParts][2]) {
+    const SegmentEnd<float> to(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
-    for (int j = 0; j < kParts; ++j) wgmma::store_end(end[j], to, Da, Dc, work.k0 + C * j, work.m0);
+    for (int j = 0; j < kParts; ++j) wgmma::store_end(end[j], to.state, Da, Dc, work.k0 + C * j, work.m0);
+    if constexpr (kNormalize) {
+      if (to.key_sum != nullptr && work.col_tile == 0 && keys.owner()) {
+#pragma unroll
+        for (int j = 0; j < kParts; ++j)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int64_t row = work.k0 + keys.column(j, e);
+            if (row < Da) to.key_sum[row] = z[j][e];
+          }
+      }
+    }
   };
 
   if (state_only) {
-    float total[kParts][32];
+    float total[kParts][32], key_total[kParts][2] = {};  // (kNormalize: an owner's sums of k)
 #pragma unroll
     for (int j = 0; j < kParts; ++j)
 #pragma unroll
@@ -569,6 +713,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       using R = decltype(ring);
       for (int64_t it = me; it < chunks; it += kConsumers) {
         mbarrier_wait(full(R::index(it)), R::phase(it));
+        if constexpr (kNormalize) {  // (from the staged float32 k, before its derivation)
+          float key_chunk[kParts][2];
+          keys.chunk_sums(key_chunk, wgmma_smem + R::slot(it) + L::kB);
+#pragma unroll
+          for (int j = 0; j < kParts; ++j) key_total[j][0] += key_chunk[j][0], key_total[j][1] += key_chunk[j][1];
+        }
         uint32_t k[3];
         derive(R::slot(it), k);
         const uint32_t slot = base + uint32_t(R::slot(it));
@@ -598,6 +748,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       if (me == 1) {
 #pragma unroll
         for (int j = 0; j < kParts; ++j) write_tile(totals, j, total[j]);
+        if constexpr (kNormalize) keys.write(key_total);  // (the key sums' master: unused here)
         mbarrier_arrive(hand_off(0));
         return;
       }
@@ -609,18 +760,30 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
         for (int i = 0; i < 32; ++i) total[j][i] += theirs[i];
       }
+      if constexpr (kNormalize) keys.read(key_total, key_total);
     }
-    if (me == 0) store_segment_end(total);
+    if (me == 0) store_segment_end(total, key_total);
     return;
   }
 
-  if (me == 0) {  // the segment's start into S, for chunk 0's A S
-    float start[kParts][32];
+  if (me == 0) {  // the segment's start into S (kNormalize: and z), for chunk 0's A S
+    float start[kParts][32], key_start[kParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
       wgmma::load_start(start[j], p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0 + C * j, work.m0);
     }
-    publish(start);
+    if constexpr (kNormalize) {
+      KeySum<kParts>::clear_copy(wgmma_smem + L::kZ16, tid);
+      const SegmentStart<float> from(p, work.pair, work.segment, Da, Dc);
+#pragma unroll
+      for (int j = 0; j < kParts; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t row = work.k0 + keys.column(j, e);
+          key_start[j][e] = keys.owner() && row < Da ? from.key_sum(row) : 0.f;
+        }
+    }
+    publish(start, key_start);
     wgmma::fence_shared_writes();
     named_sync(kOwn + me);
   }
@@ -639,11 +802,14 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         if (row + 8 * h < n) prefetch_l2(out_rows + (t0 + row + 8 * h) * ops.out_l + work.m0 + 16 * q4);
       }
     }
+    float key_chunk[kParts][2];  // (kNormalize) an owner's sums of the chunk's k: z's update
+    if constexpr (kNormalize) keys.chunk_sums(key_chunk, wgmma_smem + PassRing::slot(it) + L::kB);
     uint32_t k[3];  // α, β, γ
     derive(PassRing::slot(it), k);
     const uint32_t slot = base + uint32_t(PassRing::slot(it));
     float score[32], out_pc[32], out_as[32], sums[kParts][32];
     float pc_inverse[2];
+    float row_sums[2] = {0.f, 0.f};  // (kNormalize) the masked scores' (2^(α + β) scaled), rows row, row + 8
     fence();
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {  // 2^(α + β) A B^T, over the parts' K
@@ -668,14 +834,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
             const bool kept = kReverse ? t + d >= rr : t + d <= rr;
             x[s][r][d] = kept ? score[4 * (2 * s + r / 2) + 2 * h + d] : 0.f;
             largest[h] = fmaxf(largest[h], fabsf(x[s][r][d]));
+            if constexpr (kNormalize) row_sums[h] += x[s][r][d];
           }
         }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t kp = scale_exponent(quad_max(largest[h]));
         largest[h] = scale_of(kp);
-        // out_pc = 2^(α + β + p_r + γ) P Cc
-        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2])) * factor;
+        // out_pc = 2^(α + β + p_r + γ) P Cc (kNormalize: the factor a row's, at the store)
+        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2])) * (kNormalize ? 1.f : factor);
+        if constexpr (kNormalize) {  // the whole rows' sums, unscaled
+          row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 1);
+          row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 2);
+          row_sums[h] *= power_of_two(254 - int(k[0]) - int(k[1]));
+        }
       }
 #pragma unroll
       for (int s = 0; s < 4; ++s)
@@ -697,10 +869,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     // S holds the state before chunk it: the other consumer's update, its hand-off (it - 1) / 2
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
     if constexpr (kParts == 2) wait<1>();  // P Cc done (the sums may still run)
-    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[it > 0 ? other : 0])) * factor;
+    const int handed = it > 0 ? other : 0;  // the consumer that published S (and z) for this chunk
+    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[handed])) * (kNormalize ? 1.f : factor);
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {  // 2^(α + σ) A S, over the parts' K
       times<kSplit, 1>(out_as, TileHalves<0>(slot + tile_of(0, j)), s16 + kTile * j, j > 0);
+    }
+    float key_dots[4];  // (kNormalize) 2^(α + ζ) A Z16: q . z's head and tail parts (KeySum)
+    float key_inverse = 0.f;
+    if constexpr (kNormalize) {
+      key_inverse = power_of_two(254 - int(k[0]) - int(zeta[handed]));
+#pragma unroll
+      for (int j = 0; j < kParts; ++j) {
+        times_key_sum<kSplit>(key_dots, TileHalves<0>(slot + tile_of(0, j)), keys.copy + 1024 * j, j > 0);
+      }
     }
     commit();
     // S += the sums, rounded in float32, while A S runs (P Cc's and the sums' group done), handed
@@ -708,22 +890,37 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     {
       wait<1>();
       const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
-      float s[kParts][32];
+      float s[kParts][32], z[kParts][2] = {};
 #pragma unroll
       for (int j = 0; j < kParts; ++j) {
         read_master(j, s[j]);
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[j][i] += sums[j][i] * inverse;
       }
+      if constexpr (kNormalize) keys.read(z, key_chunk);  // z after the chunk
       wait<0>();
       // the slot read: chunk it + depth may come
       if (it + PassRing::kSlots < chunks) mbarrier_arrive(empty(PassRing::index(it)));
       if (it + 1 < chunks) {
-        publish(s);
+        publish(s, z);
         wgmma::fence_shared_writes();  // (for the other's A S)
         mbarrier_arrive(hand_off(other));
       } else {  // the segment's end: S after the last chunk
-        store_segment_end(s);
+        store_segment_end(s, z);
+      }
+    }
+    // (kNormalize) each row's den, stored by the first column tile for the backward, and its
+    // factor scale / den in both inverses
+    float pc_row[2] = {pc_inverse[0], pc_inverse[1]}, as_row[2] = {as_inverse, as_inverse};
+    if constexpr (kNormalize) {
+      const int quad_lead = lane & ~3;  // (q4 = 0 holds z's columns of A Z16)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float dot = __shfl_sync(0xffffffffu, (key_dots[2 * h] + key_dots[2 * h + 1]) * key_inverse, quad_lead);
+        const float den = float(p.eps) + factor * (row_sums[h] + dot);
+        if (work.col_tile == 0 && q4 == 0 && row + 8 * h < n) static_cast<float*>(p.den)[work.den_row + t0 + row + 8 * h] = den;
+        const float row_factor = factor / den;
+        pc_row[h] *= row_factor, as_row[h] *= row_factor;
       }
     }
 
@@ -731,7 +928,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     const int64_t to_h = 8 * ops.out_l;
     // (the factor in the inverses, each a power of two: one FMUL an output fewer; an output near
     // float32's underflow may round differently, as any product scaled back there does)
-    auto value = [&](int i) { return out_pc[i] * pc_inverse[(i / 2) % 2] + out_as[i] * as_inverse; };
+    auto value = [&](int i) { return out_pc[i] * pc_row[(i / 2) % 2] + out_as[i] * as_row[(i / 2) % 2]; };
     auto stores = [&](auto store) {
       auto each = [&](auto inside) {
 #pragma unroll
@@ -757,10 +954,11 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
   }
   if (chunks == 0 && me == 0) {  // an empty segment: its end is its start
-    float end[kParts][32];
+    float end[kParts][32], z[kParts][2] = {}, none[kParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) read_master(j, end[j]);
-    store_segment_end(end);
+    if constexpr (kNormalize) keys.read(z, none);
+    store_segment_end(end, z);
   }
 #else
   __trap();  // built without sm_90a: the dispatcher never launches this (see wgmma_takes)
