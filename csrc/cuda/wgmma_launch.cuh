@@ -147,8 +147,9 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
 // for_two: where it takes segments at all, those of two blocks a multiprocessor, each 4 chunks or
-// longer, as the mma.sync dq pass picks them for itself: float32's normalized forward up to M =
-// 64, whose kept starts fix the segments of that pass (two blocks a multiprocessor there). With
+// longer: float32's normalized forward up to M = 64, whose kept starts fix the segments of its dq
+// pass on mma.sync (which holds more than one block a multiprocessor there: three at DA = 64, by
+// run_tensorcore's staging, so its own count may be higher still; not yet measured). With
 // the forward's own count it ran on half the multiprocessors (H100, fwd+bwd ms, mma.sync forward
 // / wgmma forward with its own count / with these: 4,16,8192,64 1.830 / 2.008 / 1.801;
 // 2,4,8192,64 GPU busy 0.349 / 0.353 / 0.345). A lone segment stays lone: at 8,16,2048,64 two
