@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -352,40 +353,44 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32; the forward's
-      // normalizer (KeySum) in its own instances
-      if constexpr (P == Pass::Forward) {
-        if (normalize && row_parts == 2) {
-          return tf32 ? wgmma_tf32_product_kernel<P, false, 2, true> : wgmma_tf32_product_kernel<P, true, 2, true>;
+      // normalizer (KeySum) in instances of its own
+      auto instance = [&](auto normalized) {
+        constexpr bool kNormalized = decltype(normalized)::value;
+        if (row_parts == 2) {
+          return tf32 ? wgmma_tf32_product_kernel<P, false, 2, kNormalized> : wgmma_tf32_product_kernel<P, true, 2, kNormalized>;
         }
-        if (normalize) return tf32 ? wgmma_tf32_product_kernel<P, false, 1, true> : wgmma_tf32_product_kernel<P, true, 1, true>;
+        return tf32 ? wgmma_tf32_product_kernel<P, false, 1, kNormalized> : wgmma_tf32_product_kernel<P, true, 1, kNormalized>;
+      };
+      if constexpr (P == Pass::Forward) {
+        if (normalize) return instance(std::true_type{});
       }
-      if (row_parts == 2) return tf32 ? wgmma_tf32_product_kernel<P, false, 2> : wgmma_tf32_product_kernel<P, true, 2>;
-      return tf32 ? wgmma_tf32_product_kernel<P, false, 1> : wgmma_tf32_product_kernel<P, true, 1>;
+      return instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
       (void)row_parts;
-      if constexpr (P == Pass::Forward || P == Pass::GradQ) {  // the normalizer's instances (four atoms: two groups)
-        if (normalize && groups == 2) {
-          return atoms == 4   ? wgmma_product_kernel<P, scalar_t, 4, 2, false, true>
-                 : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, true>
-                              : wgmma_product_kernel<P, scalar_t, 1, 2, false, true>;
-        } else if (normalize) {
-          return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
-                            : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
+      // the normalizer's instances as the plain ones, but four atoms always on two groups (wgmma_takes)
+      auto instance = [&](auto normalized) {
+        constexpr bool kNormalized = decltype(normalized)::value;
+        if (atoms == 4) {
+          if constexpr (kNormalized) {
+            return wgmma_product_kernel<P, scalar_t, 4, 2, false, true>;
+          } else {
+            return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
+          }
         }
-      } else if (normalize) {  // dk and dv alone: one warpgroup, or four atoms on two (see groups)
-        return atoms == 4   ? wgmma_product_kernel<P, scalar_t, 4, 2, false, true>
-               : atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, true>
-                            : wgmma_product_kernel<P, scalar_t, 1, 1, false, true>;
-      }
-      if (atoms == 4) return groups == 2 ? wgmma_product_kernel<P, scalar_t, 4, 2> : wgmma_product_kernel<P, scalar_t, 4, 1>;
-      if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
-        if (groups == 2) return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2> : wgmma_product_kernel<P, scalar_t, 1, 2>;
-      }
-      return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1> : wgmma_product_kernel<P, scalar_t, 1, 1>;
+        if constexpr (!PassTraits<P>::kReverse) {  // dk and dv alone: one warpgroup (see groups)
+          if (groups == 2) {
+            return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 2, false, kNormalized>
+                              : wgmma_product_kernel<P, scalar_t, 1, 2, false, kNormalized>;
+          }
+        }
+        return atoms == 2 ? wgmma_product_kernel<P, scalar_t, 2, 1, false, kNormalized>
+                          : wgmma_product_kernel<P, scalar_t, 1, 1, false, kNormalized>;
+      };
+      return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     }
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
@@ -425,8 +430,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  // (float32's normalized forward: its dq pass on mma.sync holds two blocks a multiprocessor up to
-  // M = 64, one above)
+  // (float32's normalized forward up to M = 64: for_two)
   const int64_t segments = wgmma_segments(p, blocks, smem, kFloat && P == Pass::Forward && normalize && p.M <= 64);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};

@@ -1216,13 +1216,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   constexpr ProductLayout kLayout = product_layout(P, kAtoms, kGroups, kHalf, kNormalize);
   // the normalizer: the forward (den, KeySums) and dq (the extra row, KeySums), each group's copy
   // beside its scores; dk (the extra row e, KeySums) takes q / den, dv dO / den, its Cc, which the
-  // producer divides in place (kDividesQ). Up to two atoms, or four on two groups (kSplitRows: each group's
-  // row sums over its half of Da, the second's added to the first's beside its partial outputs;
-  // the extra rows' terms in the first group's partial scores and summed outputs alone)
+  // producer divides in place (kDividesCc). Up to two atoms, or four on two groups (kSplitRows:
+  // each group's row sums over its half of Da, the second's added to the first's beside its
+  // partial outputs; the extra rows' terms in the first group's partial scores and summed outputs
+  // alone)
   static_assert(!kNormalize || (!kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
                 "normalize: Da up to 128, or 256 on two warpgroups");
   // (kNormalize) dk's q / den and dv's dO / den: their Cc, divided by the producer once staged
-  constexpr bool kDividesQ = kNormalize && kReverse;
+  constexpr bool kDividesCc = kNormalize && kReverse;
   // (kNormalize) the extra row's key sums (KeySums): dq's z (the sums of k, its Cc) and dk's e (the
   // sums of its Cc q / den weighted by -dO[t] . O[t]), each over this group's Cc columns
   constexpr bool kExtraRow = kNormalize && (P == Pass::GradQ || P == Pass::GradK);
@@ -1400,14 +1401,14 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           fence_shared_writes();
         }
       };
-      // (kDividesQ) chunk it's staged Cc divided by its rows' den once every producer thread's
+      // (kDividesCc) chunk it's staged Cc divided by its rows' den once every producer thread's
       // copies of it (den among them) have landed, before it is announced (as wgmma_grad_kv_kernel's):
       // dk's Cc is q; dv's is dO, where its 1 / den[t] goes as well as into q (B): row t of Cc is
       // column t of the scores in P Cc and row t of B^T Cc, so both products see it once, and Cc
       // is one tile where B is kAtoms (dv dividing B's four atoms at bf16 4,16,2048,256 took 0.301
       // ms where dk took 0.215; H100, RESULTS.md, fifty-sixth session)
-      auto divide_q = [&](int64_t it, int slot) {
-        if constexpr (kDividesQ) {
+      auto divide_cc = [&](int64_t it, int slot) {
+        if constexpr (kDividesCc) {
           named_sync(kLandedBarrier, kThreads);
           const int n = work.chunk_len(chunk_begin(it), C);
           const float* den = row_terms.slot(slot) + 64;
@@ -1435,10 +1436,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           }
         }
       };
-      static_assert(!(kProducerScores && kDividesQ), "one use of the landed barrier");
+      static_assert(!(kProducerScores && kDividesCc), "one use of the landed barrier");
       Ring(kFull, kBlockThreads).produce(walked, stage_chunk, [&](int64_t it, int slot) {
         scores(it, slot);
-        divide_q(it, slot);
+        divide_cc(it, slot);
         dots_of(it, slot);
       });
       return;
@@ -1459,6 +1460,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // The state: row e = row0 + 64 a + 16 warp + g (+8), column m = m0 + 8 j + 2 q4 (+1) in
   // state[a][4 j ..]; from the segment's start.
   float state[kStateAtoms][32];
+  // (kExtraRow) a chunk's sums for the extra row over this group's Cc columns (at c_tile, stage
+  // slot `slot`), by `of`'s owners: dq's of k, dk's of q / den weighted by -dO[t] . O[t]
+  auto extra_chunk_sums = [&](const ColumnSums& of, float (&sums)[1][2], uint32_t c_tile, int slot) {
+    if constexpr (kExtraRow && P == Pass::GradQ) {
+      of.chunk_sums(sums, c_tile);
+    } else if constexpr (kExtraRow) {
+      of.chunk_sums(sums, c_tile, row_terms.extra_weights(slot));
+    }
+  };
   // S += B^T Cc over the segment's chunks, the ring's first (a state-only block's whole walk, or
   // one launch's summing walk)
   // (kNormalize: z or e += the chunks' sums as well, read by no other warp here)
@@ -1472,13 +1482,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         float sums[kStateAtoms][2];
         keys.chunk_sums(sums, tile_of(ring.slot, kAtoms) + my_atoms);
         keys.add(sums);
-      } else if constexpr (kExtraRow) {  // (dq: k as this group's Cc; dk: q / den as its Cc, weighted)
+      } else if constexpr (kExtraRow) {
         float sums[1][2];
-        if constexpr (P == Pass::GradQ) {
-          keys.chunk_sums(sums, tile_of(ring.slot, my_c));
-        } else {
-          keys.chunk_sums(sums, tile_of(ring.slot, my_c), row_terms.extra_weights(ring.slot));
-        }
+        extra_chunk_sums(keys, sums, tile_of(ring.slot, my_c), ring.slot);
         keys.add(sums);
       }
       wait<0>();
@@ -1651,11 +1657,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         }
         if constexpr (kExtraRow) {  // the next chunk's z (e) beside this one's
           float sums[1][2];
-          if constexpr (P == Pass::GradQ) {
-            keys_of(it).chunk_sums(sums, ct);
-          } else {
-            keys_of(it).chunk_sums(sums, ct, row_terms.extra_weights(ring.slot));
-          }
+          extra_chunk_sums(keys_of(it), sums, ct, ring.slot);
           keys_of(it + 1).assign(keys_of(it), sums);
         }
         if constexpr (kCopyBesideScores) {

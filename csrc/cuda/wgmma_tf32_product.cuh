@@ -163,11 +163,6 @@ __device__ __forceinline__ float largest_magnitude(const float (&v)[32]) {
   }
 }
 
-// The L2 line holding `at` fetched ahead (a hint: no fault, nothing waits for it)
-__device__ __forceinline__ void prefetch_l2(const float* at) {
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at));
-}
-
 // Programmatic dependent launches (launch_after_row_tile): the next launch may start once every
 // block of this one has done so; wait until the launch before this one has finished and its
 // writes are visible (both no-ops where the launch is not programmatic)
@@ -441,6 +436,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   using namespace wgmma_tf32;
   using wgmma::commit;
   using wgmma::fence;
+  using wgmma::prefetch_l2;
   using wgmma::wait;
   using L = Layout<kParts, kNormalize>;
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
