@@ -894,24 +894,29 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
     """float32 under normalize: the forward runs on wgmma_tf32_product_kernel's normalizer instances
     (KeySum) where the state's rows fit one row tile (E up to 64 on blocks of 64 rows, up to 128 on
     blocks of 128), heads and tails or the heads alone where the user allowed TF32, in segments
-    through the state-only launch and the scan, and on no mma.sync kernel; its backward stays
-    off the wgmma kernels. Above 128 (den needs all of q's columns, which row tiles split) and at
-    128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward is not on them."""
+    through the state-only launch and the scan, and on no mma.sync kernel; so does dq (its extra
+    row) where M fits one; dk and dv stay off the wgmma kernels. Above 128 (den needs all of q's
+    columns, which row tiles split) and at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward
+    is not on them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    def parts(D):
+        return "1" if D <= 64 else "2"
+
     for E, M in ((64, 64), (40, 96), (128, 128), (100, 40), (16, 200)):
         q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, E, M, dtype=torch.float32, device="cuda",
                                                             normalize=True))
         with cuda_kernels_launched() as names:
             out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         launched = [tf32_arguments(n) for n in names if "wgmma_tf32_product_kernel" in n]
-        parts = "1" if E <= 64 else "2"
-        assert {tuple(a) for a in launched} == {("0", str(not allow_tf32).lower(), parts, "true")}, (E, M, names)
+        assert {tuple(a) for a in launched} == {("0", str(not allow_tf32).lower(), parts(E), "true")}, (E, M, names)
         assert any("scan_segments" in n for n in names), (E, M, names)
         assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
         with cuda_kernels_launched() as names:
             torch.autograd.grad(out.sum(), (q, k, v))
-        assert not any("wgmma_tf32_product_kernel" in n for n in names), (E, M, names)
+        launched = {tuple(tf32_arguments(n)) for n in names if "wgmma_tf32_product_kernel" in n}
+        dq = {("1", str(not allow_tf32).lower(), parts(M), "true")} if M <= 128 else set()
+        assert launched == dq, (E, M, names)
     for E, rows in ((256, None), (160, None), (128, "64")):
         if rows:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", rows)
@@ -935,9 +940,11 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
     sum z entering each chunk handed on with S, the chunk's sums of k added from the staged float32
     k, q . z as one more product against z's float16 head and tail, den from the row sums of the
     masked scores and q . z, each output row times scale / den; the den it stores read by the
-    backward): in 1 or 3 time segments (the key sums' state-only sums and scan), 64 rows a block
-    or 128, partial chunks, E != M, column tiles, both layouts, scale 1 and 0.7, from zeros or a
-    given state with the final state out: every result within 1e-5 of float64."""
+    backward; dq on the wgmma kernel where M is up to 128, a = -dO[t] . O[t] beside each score of
+    row t and a z over its columns of k): in 1 or 3 time segments (the key sums' state-only sums
+    and scan), 64 rows a block or 128, partial chunks, E != M, column tiles, both layouts, scale 1
+    and 0.7, from zeros or a given state with the final state out: every result within 1e-5 of
+    float64."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = shape
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state)).encode()))
@@ -948,6 +955,28 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
                      lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
                      lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
                                                                    layout=layout, **kw),
+                     exact_in_float32=set(STATE_CALL_RESULTS))
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("reuse", ["0", "1"])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 96, 128), (1, 2, 333, 256, 40)], ids=shape_id)
+def test_float32_normalized_dq_segments(shape, reuse, monkeypatch):
+    """float32's normalized dq in 3 time segments from its own state-only launch and scan (the
+    extra row's sums of k: FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) or from the forward's starts and
+    key sums, with the forward on mma.sync where E is above 128: every result within 1e-5 of
+    float64, from a given state."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", reuse)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, reuse)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
+    state0 = list(make_state(B, H, E, M, torch.float32, True))
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
+                                                                   layout="bhld", **kw),
                      exact_in_float32=set(STATE_CALL_RESULTS))
 
 

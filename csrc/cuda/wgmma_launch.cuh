@@ -52,8 +52,8 @@ inline int tf32_row_parts(int64_t Da) {
 }
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward in one
-// row tile (Da up to 128), no states in or out with packed sequences, and
+// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward and dq in
+// one row tile (Da up to 128), no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -109,9 +109,11 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // Normalize: the 16-bit passes (wgmma_product_kernel's kNormalize: the forward's and dq's
     // KeySums, dk's extra row, dk's and dv's q / den; at four atoms only with the state's rows split
     // between two warpgroups), and dk with dv in one pass up to 128 (wgmma_grad_kv_kernel's and the
-    // wide kernel's kNormalize); float32's forward in one row tile (wgmma_tf32_product_kernel's
-    // kNormalize: den needs all of q's columns), its backward on mma.sync.
-    if (p.normalize && kFloat && (P != Pass::Forward || Da > wgmma::C * tf32_row_parts(Da))) return false;
+    // wide kernel's kNormalize); float32's forward and dq in one row tile (wgmma_tf32_product_kernel's
+    // kNormalize: den needs all of q's columns; dq's extra row is added once), dk and dv on mma.sync.
+    if (p.normalize && kFloat && ((P != Pass::Forward && P != Pass::GradQ) || Da > wgmma::C * tf32_row_parts(Da))) {
+      return false;
+    }
     if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
@@ -147,24 +149,13 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
 // 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
-// for_two: where it takes segments at all, those of two blocks a multiprocessor, each 4 chunks or
-// longer: float32's normalized forward up to M = 64, whose kept starts fix the segments of its dq
-// pass on mma.sync (which holds more than one block a multiprocessor there: three at DA = 64, by
-// run_tensorcore's staging, so its own count may be higher still; not yet measured). With
-// the forward's own count it ran on half the multiprocessors (H100, fwd+bwd ms, mma.sync forward
-// / wgmma forward with its own count / with these: 4,16,8192,64 1.830 / 2.008 / 1.801;
-// 2,4,8192,64 GPU busy 0.349 / 0.353 / 0.345). A lone segment stays lone: at 8,16,2048,64 two
-// cost the forward a state-only launch (0.132 -> 0.189 ms) for less off dq (0.224 -> 0.202, its
-// own segments behind its own state-only launch): fwd+bwd 0.910 lone, 0.925 in two, 0.934 on
-// mma.sync (RESULTS.md, fifty-seventh session).
-inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem, bool for_two = false) {
+inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
   using wgmma::C;
   if (p.cu_seqlens != nullptr) return 1;
   const int64_t sms = multiprocessor_count();
   int64_t segments = choose_segments(blocks, sms / blocks * blocks, p.L, kMinChunksPerSegment * C);
-  if (segments > 1 && (2 * (smem + 1024) <= 228 * 1024 || for_two)) {  // 1 KB a block the hardware reserves
-    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L,
-                                                  (for_two ? 1 : 2) * kMinChunksPerSegment * C));
+  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
+    segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
   }
   return segments;
 }
@@ -340,7 +331,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
-  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: the forward, one row tile)
+  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: the forward and dq, one row tile)
   const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
   const int atoms = layout.atoms, groups = layout.groups;
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
@@ -353,7 +344,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32; the forward's
-      // normalizer (KeySum) in instances of its own
+      // normalizer and dq's extra row (KeySum) in instances of their own
       auto instance = [&](auto normalized) {
         constexpr bool kNormalized = decltype(normalized)::value;
         if (row_parts == 2) {
@@ -361,7 +352,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
         }
         return tf32 ? wgmma_tf32_product_kernel<P, false, 1, kNormalized> : wgmma_tf32_product_kernel<P, true, 1, kNormalized>;
       };
-      if constexpr (P == Pass::Forward) {
+      if constexpr (P == Pass::Forward || P == Pass::GradQ) {
         if (normalize) return instance(std::true_type{});
       }
       return instance(std::false_type{});
@@ -430,8 +421,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  // (float32's normalized forward up to M = 64: for_two)
-  const int64_t segments = wgmma_segments(p, blocks, smem, kFloat && P == Pass::Forward && normalize && p.M <= 64);
+  const int64_t segments = wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);

@@ -440,7 +440,11 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   using wgmma::wait;
   using L = Layout<kParts, kNormalize>;
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
-  static_assert(!kNormalize || P == Pass::Forward, "normalize: the forward (KeySum)");
+  static_assert(!kNormalize || P == Pass::Forward || P == Pass::GradQ, "normalize: the forward and dq (KeySum)");
+  // (kNormalize) the forward's normalizer: z over the state's rows, den; dq's extra row: z over its
+  // Dc columns of k (Cc), a = -dO[t] . O[t] beside each score of row t and times z, scale / den[t]
+  constexpr bool kForwardSums = kNormalize && P == Pass::Forward, kExtraRow = kNormalize && P == Pass::GradQ;
+  constexpr int kKeyParts = kExtraRow ? 1 : kParts;  // z's 64-column parts: the forward's B's, dq's Cc's
   static_assert(kParts == 1 || kParts == 2, "a row tile of 64 or 128 of the state's rows");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
   constexpr int kRows = kParts * C;                    // the state's rows a block holds
@@ -542,7 +546,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
   uint32_t* const zeta = sigma + kConsumers;  // (kNormalize) each consumer's published ζ
   // (kNormalize) the key sum entering each chunk and its copy (KeySum)
-  const KeySum<kParts> keys{reinterpret_cast<float*>(wgmma_smem + L::kKeyMaster), base + uint32_t(L::kZ16), warp, lane};
+  const KeySum<kKeyParts> keys{reinterpret_cast<float*>(wgmma_smem + L::kKeyMaster), base + uint32_t(L::kZ16), warp, lane};
+  // (kNormalize) the staged tile whose column sums z adds: the forward's B (k), dq's Cc (k)
+  constexpr int kKeyTile = kExtraRow ? L::kCc : L::kB;
   // The largest |x| of operand t: each thread's, through its warp (redux.sync) and the four warps
   // (warp_max; the caller's kOwn sync between this and tile_exponent)
   auto offer_largest = [&](int t, uint32_t largest_bits) {
@@ -647,7 +653,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // S (the values in the accumulator layout, kParts tiles) into the master and S16, one scale for
   // all its parts; S16's scale exponent into sigma[me]. (kNormalize) z (an owner's columns) into
   // its master and Z16, ζ into zeta[me].
-  auto publish = [&](const float (&s)[kParts][32], const float (&z)[kParts][2]) {
+  auto publish = [&](const float (&s)[kParts][32], const float (&z)[kKeyParts][2]) {
     float largest = 0.f;
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
@@ -655,11 +661,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       largest = fmaxf(largest, largest_magnitude<0, 32>(s[j]));
     }
     offer_largest(3, __float_as_uint(largest));
-    if constexpr (kNormalize) {
-      keys.write(z);
-      offer_largest(4, __float_as_uint(keys.largest(z)));
-    }
+    if constexpr (kForwardSums) offer_largest(4, __float_as_uint(keys.largest(z)));
     named_sync(kOwn + me);
+    // (after the sync: dq's threads read every column of the master's z before the chunk first)
+    if constexpr (kNormalize) keys.write(z);
     const uint32_t k = tile_exponent(3);
     const float scale = scale_of(k);
 #pragma unroll
@@ -674,7 +679,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           *reinterpret_cast<uint32_t*>(wgmma_smem + at) = head;
           if constexpr (kSplit) *reinterpret_cast<uint32_t*>(wgmma_smem + at + kHalfTile) = tail;
         }
-    if constexpr (kNormalize) {
+    if constexpr (kForwardSums) {  // (dq adds a z in float32: no copy)
       const uint32_t kz = tile_exponent(4);
       keys.template write_copy<kSplit>(wgmma_smem + L::kZ16, z, scale_of(kz));
       if (tid == 0) zeta[me] = kz;
@@ -682,11 +687,11 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     if (tid == 0) sigma[me] = k;
   };
   // the state at the segment's end (kNormalize: and z, an owner's columns, from the first column tile)
-  auto store_segment_end = [&](const float (&end)[kParts][32], const float (&z)[kParts][2]) {
+  auto store_segment_end = [&](const float (&end)[kParts][32], const float (&z)[kKeyParts][2]) {
     const SegmentEnd<float> to(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
     for (int j = 0; j < kParts; ++j) wgmma::store_end(end[j], to.state, Da, Dc, work.k0 + C * j, work.m0);
-    if constexpr (kNormalize) {
+    if constexpr (kForwardSums) {
       if (to.key_sum != nullptr && work.col_tile == 0 && keys.owner()) {
 #pragma unroll
         for (int j = 0; j < kParts; ++j)
@@ -697,10 +702,19 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           }
       }
     }
+    if constexpr (kExtraRow) {  // (each column tile its own columns)
+      if (to.extra != nullptr && keys.owner()) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t col = work.m0 + keys.column(0, e);
+          if (col < Dc) to.extra[col] = z[0][e];
+        }
+      }
+    }
   };
 
   if (state_only) {
-    float total[kParts][32], key_total[kParts][2] = {};  // (kNormalize: an owner's sums of k)
+    float total[kParts][32], key_total[kKeyParts][2] = {};  // (kNormalize: an owner's sums of k)
 #pragma unroll
     for (int j = 0; j < kParts; ++j)
 #pragma unroll
@@ -710,10 +724,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       for (int64_t it = me; it < chunks; it += kConsumers) {
         mbarrier_wait(full(R::index(it)), R::phase(it));
         if constexpr (kNormalize) {  // (from the staged float32 k, before its derivation)
-          float key_chunk[kParts][2];
-          keys.chunk_sums(key_chunk, wgmma_smem + R::slot(it) + L::kB);
+          float key_chunk[kKeyParts][2];
+          keys.chunk_sums(key_chunk, wgmma_smem + R::slot(it) + kKeyTile);
 #pragma unroll
-          for (int j = 0; j < kParts; ++j) key_total[j][0] += key_chunk[j][0], key_total[j][1] += key_chunk[j][1];
+          for (int j = 0; j < kKeyParts; ++j) key_total[j][0] += key_chunk[j][0], key_total[j][1] += key_chunk[j][1];
         }
         uint32_t k[3];
         derive(R::slot(it), k);
@@ -763,12 +777,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   }
 
   if (me == 0) {  // the segment's start into S (kNormalize: and z), for chunk 0's A S
-    float start[kParts][32], key_start[kParts][2] = {};
+    float start[kParts][32], key_start[kKeyParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
       wgmma::load_start(start[j], p, work.pair, work.segment, Da, Dc, /*zero=*/false, work.k0 + C * j, work.m0);
     }
-    if constexpr (kNormalize) {
+    if constexpr (kForwardSums) {
       KeySum<kParts>::clear_copy(wgmma_smem + L::kZ16, tid);
       const SegmentStart<float> from(p, work.pair, work.segment, Da, Dc);
 #pragma unroll
@@ -778,6 +792,14 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           const int64_t row = work.k0 + keys.column(j, e);
           key_start[j][e] = keys.owner() && row < Da ? from.key_sum(row) : 0.f;
         }
+    }
+    if constexpr (kExtraRow) {  // (with_state_io's z0, or the forward's key sums at segments)
+      const SegmentStart<float> from(p, work.pair, work.segment, Da, Dc);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t col = work.m0 + keys.column(0, e);
+        key_start[0][e] = keys.owner() && col < Dc ? from.extra(col) : 0.f;
+      }
     }
     publish(start, key_start);
     wgmma::fence_shared_writes();
@@ -798,8 +820,19 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         if (row + 8 * h < n) prefetch_l2(out_rows + (t0 + row + 8 * h) * ops.out_l + work.m0 + 16 * q4);
       }
     }
-    float key_chunk[kParts][2];  // (kNormalize) an owner's sums of the chunk's k: z's update
-    if constexpr (kNormalize) keys.chunk_sums(key_chunk, wgmma_smem + PassRing::slot(it) + L::kB);
+    float key_chunk[kKeyParts][2];  // (kNormalize) an owner's sums of the chunk's k: z's update
+    if constexpr (kNormalize) keys.chunk_sums(key_chunk, wgmma_smem + PassRing::slot(it) + kKeyTile);
+    // (kExtraRow) the rows' a = -dO[t] . O[t] and factor scale / den[t], read while the chunk derives
+    float extra_a[2] = {0.f, 0.f}, extra_factor[2] = {0.f, 0.f};
+    if constexpr (kExtraRow) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (row + 8 * h < n) {
+          extra_a[h] = -ops.dout_dot_out[t0 + row + 8 * h];
+          extra_factor[h] = factor / ops.den[t0 + row + 8 * h];
+        }
+      }
+    }
     uint32_t k[3];  // α, β, γ
     derive(PassRing::slot(it), k);
     const uint32_t slot = base + uint32_t(PassRing::slot(it));
@@ -819,6 +852,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       HalfFragments pf;
       float x[4][4][2];
       float largest[2] = {0.f, 0.f};
+      // (kExtraRow) the scores in their own units, each kept one plus its row's a: scaled, a times
+      // 2^(α + β) could overflow where the chunk's v is all zeros (β then 2^126)
+      const float score_inverse = kExtraRow ? power_of_two(254 - int(k[0]) - int(k[1])) : 1.f;
 #pragma unroll
       for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -828,18 +864,21 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
           for (int d = 0; d < 2; ++d) {
             const bool kept = kReverse ? t + d >= rr : t + d <= rr;
-            x[s][r][d] = kept ? score[4 * (2 * s + r / 2) + 2 * h + d] : 0.f;
+            const float value = score[4 * (2 * s + r / 2) + 2 * h + d];
+            x[s][r][d] = !kept ? 0.f : kExtraRow ? fmaf(value, score_inverse, extra_a[h]) : value;
             largest[h] = fmaxf(largest[h], fabsf(x[s][r][d]));
-            if constexpr (kNormalize) row_sums[h] += x[s][r][d];
+            if constexpr (kForwardSums) row_sums[h] += x[s][r][d];
           }
         }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint32_t kp = scale_exponent(quad_max(largest[h]));
         largest[h] = scale_of(kp);
-        // out_pc = 2^(α + β + p_r + γ) P Cc (kNormalize: the factor a row's, at the store)
-        pc_inverse[h] = power_of_two(508 - int(k[0]) - int(k[1]) - int(kp) - int(k[2])) * (kNormalize ? 1.f : factor);
-        if constexpr (kNormalize) {  // the whole rows' sums, unscaled
+        // out_pc = 2^(α + β + p_r + γ) P Cc (kExtraRow: 2^(p_r + γ) P Cc; kNormalize: the factor a
+        // row's, at the store)
+        const int scores_scale = kExtraRow ? 0 : 254 - int(k[0]) - int(k[1]);
+        pc_inverse[h] = power_of_two(scores_scale + 254 - int(kp) - int(k[2])) * (kNormalize ? 1.f : factor);
+        if constexpr (kForwardSums) {  // the whole rows' sums, unscaled
           row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 1);
           row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 2);
           row_sums[h] *= power_of_two(254 - int(k[0]) - int(k[1]));
@@ -873,7 +912,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
     float key_dots[4];  // (kNormalize) 2^(α + ζ) A Z16: q . z's head and tail parts (KeySum)
     float key_inverse = 0.f;
-    if constexpr (kNormalize) {
+    if constexpr (kForwardSums) {
       key_inverse = power_of_two(254 - int(k[0]) - int(zeta[handed]));
 #pragma unroll
       for (int j = 0; j < kParts; ++j) {
@@ -886,7 +925,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     {
       wait<1>();
       const float inverse = power_of_two(254 - int(k[1]) - int(k[2]));
-      float s[kParts][32], z[kParts][2] = {};
+      float s[kParts][32], z[kKeyParts][2] = {};
 #pragma unroll
       for (int j = 0; j < kParts; ++j) {
         read_master(j, s[j]);
@@ -897,6 +936,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       wait<0>();
       // the slot read: chunk it + depth may come
       if (it + PassRing::kSlots < chunks) mbarrier_arrive(empty(PassRing::index(it)));
+      // (kExtraRow) A S in its final units, each row's a z (z before the chunk, in the master until
+      // this consumer's publish) added: out_as = scale / den[t] (A S + a[t] z)
+      if constexpr (kExtraRow) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const float2 zc = *reinterpret_cast<const float2*>(keys.master + 8 * j + 2 * q4);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float weight = extra_a[h] * extra_factor[h], as_factor = as_inverse * extra_factor[h];
+            out_as[4 * j + 2 * h] = fmaf(out_as[4 * j + 2 * h], as_factor, weight * zc.x);
+            out_as[4 * j + 2 * h + 1] = fmaf(out_as[4 * j + 2 * h + 1], as_factor, weight * zc.y);
+          }
+        }
+      }
       if (it + 1 < chunks) {
         publish(s, z);
         wgmma::fence_shared_writes();  // (for the other's A S)
@@ -908,7 +961,11 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     // (kNormalize) each row's den, stored by the first column tile for the backward, and its
     // factor scale / den in both inverses
     float pc_row[2] = {pc_inverse[0], pc_inverse[1]}, as_row[2] = {as_inverse, as_inverse};
-    if constexpr (kNormalize) {
+    if constexpr (kExtraRow) {  // (out_as final already)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) pc_row[h] *= extra_factor[h], as_row[h] = 1.f;
+    }
+    if constexpr (kForwardSums) {
       const int quad_lead = lane & ~3;  // (q4 = 0 holds z's columns of A Z16)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -950,7 +1007,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
   }
   if (chunks == 0 && me == 0) {  // an empty segment: its end is its start
-    float end[kParts][32], z[kParts][2] = {}, none[kParts][2] = {};
+    float end[kParts][32], z[kKeyParts][2] = {}, none[kKeyParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) read_master(j, end[j]);
     if constexpr (kNormalize) keys.read(z, none);
