@@ -894,10 +894,10 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
     """float32 under normalize: the forward runs on wgmma_tf32_product_kernel's normalizer instances
     (KeySum) where the state's rows fit one row tile (E up to 64 on blocks of 64 rows, up to 128 on
     blocks of 128), heads and tails or the heads alone where the user allowed TF32, in segments
-    through the state-only launch and the scan, and on no mma.sync kernel; so does dq (its extra
-    row) where M fits one; dk and dv stay off the wgmma kernels. Above 128 (den needs all of q's
-    columns, which row tiles split) and at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward
-    is not on them."""
+    through the state-only launch and the scan, and on no mma.sync kernel; so do dq and dk (their
+    extra row) where M fits one, and dv beside dk (as two reverse passes), the backward then on no
+    mma.sync or recurrent kernel. Above 128 (den needs all of q's columns, which row tiles split)
+    and at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward is not on them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     def parts(D):
@@ -915,8 +915,12 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
         with cuda_kernels_launched() as names:
             torch.autograd.grad(out.sum(), (q, k, v))
         launched = {tuple(tf32_arguments(n)) for n in names if "wgmma_tf32_product_kernel" in n}
-        dq = {("1", str(not allow_tf32).lower(), parts(M), "true")} if M <= 128 else set()
-        assert launched == dq, (E, M, names)
+        split = str(not allow_tf32).lower()
+        # dq's and dk's Da is M; dv's Da is E (its Dc M)
+        backward = {("1", split, parts(M), "true"), ("2", split, parts(M), "true"), ("3", split, parts(E), "true")}
+        assert launched == (backward if M <= 128 else set()), (E, M, names)
+        if M <= 128:
+            assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
     for E, rows in ((256, None), (160, None), (128, "64")):
         if rows:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", rows)
@@ -941,7 +945,9 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
     k, q . z as one more product against z's float16 head and tail, den from the row sums of the
     masked scores and q . z, each output row times scale / den; the den it stores read by the
     backward; dq on the wgmma kernel where M is up to 128, a = -dO[t] . O[t] beside each score of
-    row t and a z over its columns of k): in 1 or 3 time segments (the key sums' state-only sums
+    row t and a z over its columns of k; dk and dv there too, their Cc's rows divided by den, dk's
+    a beside each score of column t and e, the sums of a q / den, added to each row): in 1 or 3
+    time segments (the key sums' state-only sums
     and scan), 64 rows a block or 128, partial chunks, E != M, column tiles, both layouts, scale 1
     and 0.7, from zeros or a given state with the final state out: every result within 1e-5 of
     float64."""
@@ -962,11 +968,13 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("reuse", ["0", "1"])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 96, 128), (1, 2, 333, 256, 40)], ids=shape_id)
-def test_float32_normalized_dq_segments(shape, reuse, monkeypatch):
-    """float32's normalized dq in 3 time segments from its own state-only launch and scan (the
-    extra row's sums of k: FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) or from the forward's starts and
-    key sums, with the forward on mma.sync where E is above 128: every result within 1e-5 of
-    float64, from a given state."""
+def test_float32_normalized_backward_segments(shape, reuse, monkeypatch):
+    """float32's normalized backward on the wgmma kernels in 3 time segments: dq from its own
+    state-only launch and scan (the extra row's sums of k: FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) or
+    from the forward's starts and key sums, with the forward on mma.sync where E is above 128; dk
+    from its own (e's sums of a q / den, from the final key sum's gradient), dv from its own or
+    from dk's starts (at E = 256 in two row tiles): every result within 1e-5 of float64, from a
+    given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", reuse)
     B, H, L, E, M = shape

@@ -52,7 +52,7 @@ inline int tf32_row_parts(int64_t Da) {
 }
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward and dq in
+// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward, dq and dk in
 // one row tile (Da up to 128), no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
@@ -109,9 +109,10 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // Normalize: the 16-bit passes (wgmma_product_kernel's kNormalize: the forward's and dq's
     // KeySums, dk's extra row, dk's and dv's q / den; at four atoms only with the state's rows split
     // between two warpgroups), and dk with dv in one pass up to 128 (wgmma_grad_kv_kernel's and the
-    // wide kernel's kNormalize); float32's forward and dq in one row tile (wgmma_tf32_product_kernel's
-    // kNormalize: den needs all of q's columns; dq's extra row is added once), dk and dv on mma.sync.
-    if (p.normalize && kFloat && ((P != Pass::Forward && P != Pass::GradQ) || Da > wgmma::C * tf32_row_parts(Da))) {
+    // wide kernel's kNormalize); float32's forward, dq and dk in one row tile (wgmma_tf32_product_kernel's
+    // kNormalize: den needs all of q's columns; dq's and dk's extra row is added once), and dv where dk
+    // runs (its Dc is dk's Da: dv takes dk's segment starts, which the other families scale otherwise).
+    if (p.normalize && kFloat && (P == Pass::GradV ? Dc : Da) > wgmma::C * tf32_row_parts(P == Pass::GradV ? Dc : Da)) {
       return false;
     }
     if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
@@ -331,7 +332,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
-  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: the forward and dq, one row tile)
+  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: one row tile)
   const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
   const int atoms = layout.atoms, groups = layout.groups;
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
@@ -343,8 +344,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
-      // float16 heads and tails, or the heads alone where the user allowed TF32; the forward's
-      // normalizer and dq's extra row (KeySum) in instances of their own
+      // float16 heads and tails, or the heads alone where the user allowed TF32; the normalizer's
+      // terms (KeySum, RowTerms) in instances of their own
       auto instance = [&](auto normalized) {
         constexpr bool kNormalized = decltype(normalized)::value;
         if (row_parts == 2) {
@@ -352,10 +353,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
         }
         return tf32 ? wgmma_tf32_product_kernel<P, false, 1, kNormalized> : wgmma_tf32_product_kernel<P, true, 1, kNormalized>;
       };
-      if constexpr (P == Pass::Forward || P == Pass::GradQ) {
-        if (normalize) return instance(std::true_type{});
-      }
-      return instance(std::false_type{});
+      return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;

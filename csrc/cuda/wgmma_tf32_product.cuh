@@ -67,11 +67,13 @@ constexpr int kHalfTile = 64 * 64 * 2;  // bytes of a 64 x 64 float16 tile (one 
 // (q's), as staged (float32), then as derived (float16: head at the tile, tail kHalfTile on); then
 // the state's float32 master and S16's heads and tails, kParts tiles each (each consumer thread
 // its own 32 elements of a master tile, the accumulator layout); then (kNormalize) the key sum's
-// copy Z16, one 1 KB tile a part (KeySum), and its float32 master (kRows floats); then each
+// copy Z16, one 1 KB tile a part (KeySum), or in the reverse passes, which have no copy, in its
+// place each consumer's row terms of its chunk (RowTerms), then the key sum's float32 master
+// (kRows floats); then each
 // consumer's warps' largest |A|, |B|, |Cc|, |S| (and |z|), 4 floats each, each consumer's published
 // σ (its biased exponent) and ζ (z's), the mbarriers: hand_off (kConsumers), full and empty (kRing
 // each). Four slots at 64 rows (48 KB each), two at 128 (80 KB): 224 KB either way, the normalizer
-// 1.25 KB or 2.5 KB more.
+// 1.75 KB or 2.5 KB more.
 // A state-only block stages B and Cc alone, the first kStateSlotBytes of a slot, in a ring of its
 // own: kStateSlots slots of that size from 0, over the master's place (six of 32 KB at 64 rows,
 // four of 48 KB at 128), its consumers' totals meeting after the ring (kStateHandOff, over S16 at
@@ -86,7 +88,9 @@ struct Layout {
   static constexpr int kB = 0, kCc = kParts * kTile, kA = (kParts + 1) * kTile;
   static constexpr int kMaster = kSlots * kSlotBytes, kS16 = kMaster + kParts * kTile;
   static constexpr int kZ16 = kS16 + kParts * 2 * kHalfTile;  // (kNormalize) 1024-aligned: the swizzle's period
-  static constexpr int kKeyMaster = kZ16 + (kNormalize ? kParts * 1024 : 0);
+  static constexpr int kRowTerms = kZ16;                       // (kNormalize, dk and dv) in Z16's place
+  static constexpr int kRowTermBytes = kConsumers * 3 * C * 4;  // inverse den, a, a / den: 64 floats each
+  static constexpr int kKeyMaster = kZ16 + (kNormalize ? (kParts * 1024 > kRowTermBytes ? kParts * 1024 : kRowTermBytes) : 0);
   static constexpr int kWarpMax = kKeyMaster + (kNormalize ? kParts * 64 * 4 : 0);
   static constexpr int kMaxima = kNormalize ? 5 : 4;  // operands whose largest |x| the warps offer
   static constexpr int kStateSlotBytes = kA;          // B and Cc
@@ -321,22 +325,31 @@ struct KeySum {
   __device__ bool owner() const { return lane < 8; }
   __device__ int column(int j, int e) const { return 64 * j + 16 * warp + 2 * (lane % 8) + e; }
   // An owner's columns of the staged float32 B (its parts at `b`, generic) summed over the
-  // chunk's rows (zeros past it): lane l sums rows 8 i + 2 (l / 8) (+1), the four row phases
-  // added by two shuffles.
-  __device__ void chunk_sums(float (&sums)[kParts][2], const unsigned char* b) const {
+  // chunk's rows (zeros past it), each row r times weights[r] where kWeighted (dk's e: RowTerms):
+  // lane l sums rows 8 i + 2 (l / 8) (+1), the four row phases added by two shuffles.
+  template <bool kWeighted = false>
+  __device__ void chunk_sums(float (&sums)[kParts][2], const unsigned char* b, const float* weights = nullptr) const {
     const int phase = lane / 8, c = 16 * warp + 2 * (lane % 8);
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
       float lo = 0.f, hi = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
+      for (int i = 0; i < 8; ++i) {
+        float2 w = make_float2(1.f, 1.f);  // rows 8 i + 2 phase (+1)
+        if constexpr (kWeighted) w = *reinterpret_cast<const float2*>(weights + 8 * i + 2 * phase);
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
           const int r = 8 * i + 2 * phase + u;  // (Stager's layout: row r, column c of a float32 tile)
           const float2 x = *reinterpret_cast<const float2*>(b + kTile * j + (c / 32) * 8192 + 128 * r +
                                                             16 * (((c % 32) / 4) ^ (r % 8)) + 4 * (c % 4));
-          lo += x.x, hi += x.y;
+          if constexpr (kWeighted) {
+            const float weight = u == 0 ? w.x : w.y;
+            lo = fmaf(x.x, weight, lo), hi = fmaf(x.y, weight, hi);
+          } else {
+            lo += x.x, hi += x.y;
+          }
         }
+      }
 #pragma unroll
       for (int offset = 8; offset < kWarp; offset *= 2) {
         lo += __shfl_xor_sync(0xffffffffu, lo, offset);
@@ -390,6 +403,25 @@ struct KeySum {
   }
 };
 
+// The reverse passes' terms of their chunk's rows under normalize (wgmma_tf32_product_kernel's
+// kDividesCc), one consumer's, in shared memory (Layout::kRowTerms): 1 / den[t], by which dk and
+// dv divide their Cc's row t (q and dO) as they derive it; dk's a[t] = -dO[t] . O[t], added to each
+// kept score of column t, and a[t] / den[t], the weights of e's chunk sums (KeySum::chunk_sums).
+// Row r of the chunk is written by the consumer's thread r (zeros past the chunk) and read by all
+// after a kOwn sync; the next chunk's writes come after the consumer's next kOwn sync (publish's,
+// or in a state-only block derive's), which follows every read.
+struct RowTerms {
+  float* at;  // [3][C]
+  __device__ float* inverse() const { return at; }
+  __device__ float* a() const { return at + C; }
+  __device__ float* weight() const { return at + 2 * C; }
+  // thread r's row (r < C) from den[t] and dO[t] . O[t] (dk; else 0), valid: inside the chunk
+  __device__ void write(int r, float den, float dout_dot_out, bool valid) const {
+    const float inv = valid ? __frcp_rn(den) : 0.f, a_r = valid ? -dout_dot_out : 0.f;
+    inverse()[r] = inv, a()[r] = a_r, weight()[r] = a_r * inv;
+  }
+};
+
 // d (+)= A Z16 for one part (KeySum): m64n8k16 in four k16 steps, A a tile's halves (K-major; its
 // tail first where kSplit), Z16 K-major (its 8 rows one swizzle period). d's columns 0 and 1 (lane
 // q4 = 0: d[0], d[1] row g, d[2], d[3] row g + 8) are A's products with z's head and tail.
@@ -440,13 +472,18 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   using wgmma::wait;
   using L = Layout<kParts, kNormalize>;
   static_assert(P != Pass::GradKV, "one pass: the forward, dq, dk or dv");
-  static_assert(!kNormalize || P == Pass::Forward || P == Pass::GradQ, "normalize: the forward and dq (KeySum)");
-  // (kNormalize) the forward's normalizer: z over the state's rows, den; dq's extra row: z over its
-  // Dc columns of k (Cc), a = -dO[t] . O[t] beside each score of row t and times z, scale / den[t]
-  constexpr bool kForwardSums = kNormalize && P == Pass::Forward, kExtraRow = kNormalize && P == Pass::GradQ;
-  constexpr int kKeyParts = kExtraRow ? 1 : kParts;  // z's 64-column parts: the forward's B's, dq's Cc's
   static_assert(kParts == 1 || kParts == 2, "a row tile of 64 or 128 of the state's rows");
   constexpr bool kReverse = PassTraits<P>::kReverse;  // dk and dv: time walked backward
+  // (kNormalize) the forward's normalizer: z over the state's rows, den. The extra row: dq's z over
+  // its Dc columns of k (Cc), a = -dO[t] . O[t] beside each score of row t and times z, scale /
+  // den[t]; dk's e over its Dc columns of q / den (Cc), the sums of a[t] q[t] / den[t], a[t]
+  // beside each score of column t and e added to each row, times scale. dk and dv divide their
+  // Cc's rows by den as they derive them (kDividesCc: q / den, dO / den; RowTerms).
+  constexpr bool kForwardSums = kNormalize && P == Pass::Forward;
+  constexpr bool kExtraRow = kNormalize && (P == Pass::GradQ || P == Pass::GradK);
+  constexpr bool kKeySums = kForwardSums || kExtraRow;  // (KeySum; each output row's own factor)
+  constexpr bool kDividesCc = kNormalize && kReverse, kColumnTerms = kExtraRow && kReverse;
+  constexpr int kKeyParts = kExtraRow ? 1 : kParts;  // z's 64-column parts: the forward's B's, dq's and dk's Cc's
   constexpr int kRows = kParts * C;                    // the state's rows a block holds
   using PassRing = Ring<L::kSlots, L::kSlotBytes>;
   using StateRing = Ring<L::kStateSlots, L::kStateSlotBytes>;  // a state-only block's (Layout)
@@ -545,10 +582,35 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 4 * L::kMaxima * me;
   uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
   uint32_t* const zeta = sigma + kConsumers;  // (kNormalize) each consumer's published ζ
-  // (kNormalize) the key sum entering each chunk and its copy (KeySum)
+  // (kKeySums) the key sum entering each chunk and its copy (KeySum)
   const KeySum<kKeyParts> keys{reinterpret_cast<float*>(wgmma_smem + L::kKeyMaster), base + uint32_t(L::kZ16), warp, lane};
-  // (kNormalize) the staged tile whose column sums z adds: the forward's B (k), dq's Cc (k)
+  // (kKeySums) the staged tile whose column sums z adds: the forward's B (k), dq's Cc (k), dk's Cc
+  // (q, each row times a / den: RowTerms)
   constexpr int kKeyTile = kExtraRow ? L::kCc : L::kB;
+  // (kDividesCc) this consumer's chunk's row terms
+  const RowTerms terms{reinterpret_cast<float*>(wgmma_smem + L::kRowTerms) + 3 * C * me};
+  // The chunk's row terms (kDividesCc): den and dO . O of row tid read (before the slot's wait),
+  // then written (after it), and the consumer's kOwn sync
+  auto read_row_terms = [&](int64_t t0, int n, float (&row)[2]) {
+    if constexpr (kDividesCc) {
+      row[0] = 1.f, row[1] = 0.f;
+      if (tid < n) {
+        row[0] = ops.den[t0 + tid];
+        if constexpr (kColumnTerms) row[1] = ops.dout_dot_out[t0 + tid];
+      }
+    }
+  };
+  auto write_row_terms = [&](int n, const float (&row)[2]) {
+    if constexpr (kDividesCc) {
+      if (tid < C) terms.write(tid, row[0], row[1], tid < n);
+      named_sync(kOwn + me);
+    }
+  };
+  // (kColumnTerms) e's chunk sums from the staged float32 q, each row times a / den; the others'
+  // from their staged k
+  auto key_chunk_sums = [&](float (&sums)[kKeyParts][2], int slot) {
+    keys.template chunk_sums<kColumnTerms>(sums, wgmma_smem + slot + kKeyTile, terms.weight());
+  };
   // The largest |x| of operand t: each thread's, through its warp (redux.sync) and the four warps
   // (warp_max; the caller's kOwn sync between this and tile_exponent)
   auto offer_largest = [&](int t, uint32_t largest_bits) {
@@ -575,6 +637,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     constexpr unsigned kOperands = decltype(operands)::value;  // bit t: operand t in this round
     auto in_round = [&](int t) { return ((kOperands >> t) & 1u) != 0 && !(t == 0 && state_only); };
     float4 x[3][kParts][2][2][2];  // [operand][part][pass: row d_row + 32 pass][atom a ^ d_odd][float32 chunk 2 q + d]
+    float cc_row[2] = {1.f, 1.f};  // (kDividesCc) Cc's rows d_row, d_row + 32 times 1 / den
+    if constexpr (kDividesCc) {
+      if (in_round(2)) cc_row[0] = terms.inverse()[d_row], cc_row[1] = terms.inverse()[d_row + 32];
+    }
 #pragma unroll
     for (int t = 0; t < 3; ++t) {
       if (!in_round(t)) continue;
@@ -588,8 +654,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
             for (int d = 0; d < 2; ++d) {
               const int r = d_row + 32 * pass;
-              const float4 v = *reinterpret_cast<const float4*>(wgmma_smem + slot + tile_of(t, j) + 8192 * (a ^ d_odd) +
-                                                                128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
+              float4 v = *reinterpret_cast<const float4*>(wgmma_smem + slot + tile_of(t, j) + 8192 * (a ^ d_odd) +
+                                                          128 * r + 16 * ((2 * d_q + d) ^ (r % 8)));
+              if (kDividesCc && t == 2) {
+                const float f = cc_row[pass];
+                v.x *= f, v.y *= f, v.z *= f, v.w *= f;
+              }
               x[t][j][pass][a][d] = v;
               largest = fmaxf(largest, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
             }
@@ -651,7 +721,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // (s16_at ^ 16 jj) + 1024 h + kTile j
   const uint32_t s16_at = uint32_t(L::kS16 + 128 * row + 16 * g + 4 * q4);
   // S (the values in the accumulator layout, kParts tiles) into the master and S16, one scale for
-  // all its parts; S16's scale exponent into sigma[me]. (kNormalize) z (an owner's columns) into
+  // all its parts; S16's scale exponent into sigma[me]. (kKeySums) z (an owner's columns) into
   // its master and Z16, ζ into zeta[me].
   auto publish = [&](const float (&s)[kParts][32], const float (&z)[kKeyParts][2]) {
     float largest = 0.f;
@@ -663,8 +733,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     offer_largest(3, __float_as_uint(largest));
     if constexpr (kForwardSums) offer_largest(4, __float_as_uint(keys.largest(z)));
     named_sync(kOwn + me);
-    // (after the sync: dq's threads read every column of the master's z before the chunk first)
-    if constexpr (kNormalize) keys.write(z);
+    // (after the sync: dq's and dk's threads read every column of the master's z before the chunk first)
+    if constexpr (kKeySums) keys.write(z);
     const uint32_t k = tile_exponent(3);
     const float scale = scale_of(k);
 #pragma unroll
@@ -686,7 +756,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     }
     if (tid == 0) sigma[me] = k;
   };
-  // the state at the segment's end (kNormalize: and z, an owner's columns, from the first column tile)
+  // the state at the segment's end (kKeySums: and z, an owner's columns, from the first column tile)
   auto store_segment_end = [&](const float (&end)[kParts][32], const float (&z)[kKeyParts][2]) {
     const SegmentEnd<float> to(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
 #pragma unroll
@@ -714,7 +784,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   };
 
   if (state_only) {
-    float total[kParts][32], key_total[kKeyParts][2] = {};  // (kNormalize: an owner's sums of k)
+    float total[kParts][32], key_total[kKeyParts][2] = {};  // (kKeySums: an owner's sums of k, dk's of e)
 #pragma unroll
     for (int j = 0; j < kParts; ++j)
 #pragma unroll
@@ -722,10 +792,15 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     auto consume = [&](auto ring) {
       using R = decltype(ring);
       for (int64_t it = me; it < chunks; it += kConsumers) {
+        const int64_t t0 = chunk_begin(it);
+        const int n = work.chunk_len(t0, C);
+        float row_terms[2];
+        read_row_terms(t0, n, row_terms);
         mbarrier_wait(full(R::index(it)), R::phase(it));
-        if constexpr (kNormalize) {  // (from the staged float32 k, before its derivation)
+        write_row_terms(n, row_terms);
+        if constexpr (kKeySums) {  // (from the staged float32 k or q, before its derivation)
           float key_chunk[kKeyParts][2];
-          keys.chunk_sums(key_chunk, wgmma_smem + R::slot(it) + kKeyTile);
+          key_chunk_sums(key_chunk, R::slot(it));
 #pragma unroll
           for (int j = 0; j < kKeyParts; ++j) key_total[j][0] += key_chunk[j][0], key_total[j][1] += key_chunk[j][1];
         }
@@ -758,7 +833,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       if (me == 1) {
 #pragma unroll
         for (int j = 0; j < kParts; ++j) write_tile(totals, j, total[j]);
-        if constexpr (kNormalize) keys.write(key_total);  // (the key sums' master: unused here)
+        if constexpr (kKeySums) keys.write(key_total);  // (the key sums' master: unused here)
         mbarrier_arrive(hand_off(0));
         return;
       }
@@ -770,13 +845,13 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
         for (int i = 0; i < 32; ++i) total[j][i] += theirs[i];
       }
-      if constexpr (kNormalize) keys.read(key_total, key_total);
+      if constexpr (kKeySums) keys.read(key_total, key_total);
     }
     if (me == 0) store_segment_end(total, key_total);
     return;
   }
 
-  if (me == 0) {  // the segment's start into S (kNormalize: and z), for chunk 0's A S
+  if (me == 0) {  // the segment's start into S (kKeySums: and z), for chunk 0's A S
     float start[kParts][32], key_start[kKeyParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {
@@ -793,7 +868,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           key_start[j][e] = keys.owner() && row < Da ? from.key_sum(row) : 0.f;
         }
     }
-    if constexpr (kExtraRow) {  // (with_state_io's z0, or the forward's key sums at segments)
+    if constexpr (kExtraRow) {  // (with_state_io's z0 or dk's de1, or the forward's key sums at segments)
       const SegmentStart<float> from(p, work.pair, work.segment, Da, Dc);
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
@@ -808,9 +883,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const float factor = float(p.scale);  // each output times the pass's constant factor (wgmma_product.cuh)
   const uint32_t s16 = base + uint32_t(L::kS16);
   for (int64_t it = me; it < chunks; it += kConsumers) {
-    mbarrier_wait(full(PassRing::index(it)), PassRing::phase(it));
     const int64_t t0 = chunk_begin(it);
     const int n = work.chunk_len(t0, C);
+    float row_terms[2];
+    read_row_terms(t0, n, row_terms);
+    mbarrier_wait(full(PassRing::index(it)), PassRing::phase(it));
+    write_row_terms(n, row_terms);
     // A row tile launched after another adds into outputs that launch wrote, mostly gone from the
     // L2 by now: the chunk's output lines fetched ahead, while its products run, so that the
     // reductions at its end meet them there (the four lanes of a quad 64 bytes of a row each)
@@ -820,18 +898,23 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         if (row + 8 * h < n) prefetch_l2(out_rows + (t0 + row + 8 * h) * ops.out_l + work.m0 + 16 * q4);
       }
     }
-    float key_chunk[kKeyParts][2];  // (kNormalize) an owner's sums of the chunk's k: z's update
-    if constexpr (kNormalize) keys.chunk_sums(key_chunk, wgmma_smem + PassRing::slot(it) + kKeyTile);
-    // (kExtraRow) the rows' a = -dO[t] . O[t] and factor scale / den[t], read while the chunk derives
-    float extra_a[2] = {0.f, 0.f}, extra_factor[2] = {0.f, 0.f};
-    if constexpr (kExtraRow) {
+    float key_chunk[kKeyParts][2];  // (kKeySums) an owner's sums of the chunk's k: z's update (dk's e's)
+    if constexpr (kKeySums) key_chunk_sums(key_chunk, PassRing::slot(it));
+    // (kExtraRow) each output row's factor and the weight of z (e) in it: dq's scale / den[t] and
+    // a[t] scale / den[t], with a[t] = -dO[t] . O[t] beside each score of row t, read while the
+    // chunk derives; dk's scale and scale (its a is a column's: RowTerms)
+    float extra_a[2] = {0.f, 0.f}, extra_factor[2] = {0.f, 0.f}, extra_weight[2] = {0.f, 0.f};
+    if constexpr (kExtraRow && !kReverse) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (row + 8 * h < n) {
           extra_a[h] = -ops.dout_dot_out[t0 + row + 8 * h];
           extra_factor[h] = factor / ops.den[t0 + row + 8 * h];
+          extra_weight[h] = extra_a[h] * extra_factor[h];
         }
       }
+    } else if constexpr (kExtraRow) {
+      extra_factor[0] = extra_factor[1] = extra_weight[0] = extra_weight[1] = factor;
     }
     uint32_t k[3];  // α, β, γ
     derive(PassRing::slot(it), k);
@@ -852,8 +935,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       HalfFragments pf;
       float x[4][4][2];
       float largest[2] = {0.f, 0.f};
-      // (kExtraRow) the scores in their own units, each kept one plus its row's a: scaled, a times
-      // 2^(α + β) could overflow where the chunk's v is all zeros (β then 2^126)
+      // (kExtraRow) the scores in their own units, each kept one plus its row's a (dk: its
+      // column's): scaled, a times 2^(α + β) could overflow where the chunk's v (dk: dO) is all
+      // zeros (β then 2^126)
       const float score_inverse = kExtraRow ? power_of_two(254 - int(k[0]) - int(k[1])) : 1.f;
 #pragma unroll
       for (int s = 0; s < 4; ++s)
@@ -861,11 +945,14 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         for (int r = 0; r < 4; ++r) {
           const int t = 16 * s + 2 * q4 + 8 * (r / 2), h = r % 2;  // timestep (column) of entry 0
           const int rr = row + 8 * h;
+          float2 column_a = make_float2(0.f, 0.f);  // (kColumnTerms) a of columns t, t + 1
+          if constexpr (kColumnTerms) column_a = *reinterpret_cast<const float2*>(terms.a() + t);
 #pragma unroll
           for (int d = 0; d < 2; ++d) {
             const bool kept = kReverse ? t + d >= rr : t + d <= rr;
             const float value = score[4 * (2 * s + r / 2) + 2 * h + d];
-            x[s][r][d] = !kept ? 0.f : kExtraRow ? fmaf(value, score_inverse, extra_a[h]) : value;
+            const float extra = kColumnTerms ? (d == 0 ? column_a.x : column_a.y) : extra_a[h];
+            x[s][r][d] = !kept ? 0.f : kExtraRow ? fmaf(value, score_inverse, extra) : value;
             largest[h] = fmaxf(largest[h], fabsf(x[s][r][d]));
             if constexpr (kForwardSums) row_sums[h] += x[s][r][d];
           }
@@ -874,10 +961,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       for (int h = 0; h < 2; ++h) {
         const uint32_t kp = scale_exponent(quad_max(largest[h]));
         largest[h] = scale_of(kp);
-        // out_pc = 2^(α + β + p_r + γ) P Cc (kExtraRow: 2^(p_r + γ) P Cc; kNormalize: the factor a
+        // out_pc = 2^(α + β + p_r + γ) P Cc (kExtraRow: 2^(p_r + γ) P Cc; kKeySums: the factor a
         // row's, at the store)
         const int scores_scale = kExtraRow ? 0 : 254 - int(k[0]) - int(k[1]);
-        pc_inverse[h] = power_of_two(scores_scale + 254 - int(kp) - int(k[2])) * (kNormalize ? 1.f : factor);
+        pc_inverse[h] = power_of_two(scores_scale + 254 - int(kp) - int(k[2])) * (kKeySums ? 1.f : factor);
         if constexpr (kForwardSums) {  // the whole rows' sums, unscaled
           row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 1);
           row_sums[h] += __shfl_xor_sync(0xffffffffu, row_sums[h], 2);
@@ -905,7 +992,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     if (it > 0) mbarrier_wait(hand_off(me), uint32_t((it - 1) / kConsumers) & 1u);
     if constexpr (kParts == 2) wait<1>();  // P Cc done (the sums may still run)
     const int handed = it > 0 ? other : 0;  // the consumer that published S (and z) for this chunk
-    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[handed])) * (kNormalize ? 1.f : factor);
+    const float as_inverse = power_of_two(254 - int(k[0]) - int(sigma[handed])) * (kKeySums ? 1.f : factor);
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {  // 2^(α + σ) A S, over the parts' K
       times<kSplit, 1>(out_as, TileHalves<0>(slot + tile_of(0, j)), s16 + kTile * j, j > 0);
@@ -932,19 +1019,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
         for (int i = 0; i < 32; ++i) s[j][i] += sums[j][i] * inverse;
       }
-      if constexpr (kNormalize) keys.read(z, key_chunk);  // z after the chunk
+      if constexpr (kKeySums) keys.read(z, key_chunk);  // z after the chunk
       wait<0>();
       // the slot read: chunk it + depth may come
       if (it + PassRing::kSlots < chunks) mbarrier_arrive(empty(PassRing::index(it)));
-      // (kExtraRow) A S in its final units, each row's a z (z before the chunk, in the master until
-      // this consumer's publish) added: out_as = scale / den[t] (A S + a[t] z)
+      // (kExtraRow) A S in its final units, each row's z (e) added (z before the chunk, in the
+      // master until this consumer's publish): dq's out_as = scale / den[t] (A S + a[t] z), dk's
+      // scale (A S + e)
       if constexpr (kExtraRow) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           const float2 zc = *reinterpret_cast<const float2*>(keys.master + 8 * j + 2 * q4);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const float weight = extra_a[h] * extra_factor[h], as_factor = as_inverse * extra_factor[h];
+            const float weight = extra_weight[h], as_factor = as_inverse * extra_factor[h];
             out_as[4 * j + 2 * h] = fmaf(out_as[4 * j + 2 * h], as_factor, weight * zc.x);
             out_as[4 * j + 2 * h + 1] = fmaf(out_as[4 * j + 2 * h + 1], as_factor, weight * zc.y);
           }
@@ -1010,7 +1098,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     float end[kParts][32], z[kKeyParts][2] = {}, none[kKeyParts][2] = {};
 #pragma unroll
     for (int j = 0; j < kParts; ++j) read_master(j, end[j]);
-    if constexpr (kNormalize) keys.read(z, none);
+    if constexpr (kKeySums) keys.read(z, none);
     store_segment_end(end, z);
   }
 #else
