@@ -1,7 +1,8 @@
 // Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
 // reverse passes (where run_grad_kv takes them), float32-accurate from float16 parts (the heads
-// alone where the user allowed TF32, KernelParams::tf32), and under normalize the forward (its
-// normalizer: KeySum, up to 128 of the state's rows): per chunk of C = 64 timesteps
+// alone where the user allowed TF32, KernelParams::tf32), and under normalize every pass in one
+// row tile (up to 128 of the state's rows: the forward's normalizer and the backward's extra row,
+// KeySum; dk's and dv's rows of q and dO divided by den, RowTerms): per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
