@@ -93,29 +93,50 @@ namespace {
 // elements at a time: 16-byte vectors where both tensors' rows are whole aligned vectors
 // (vector_rows), else one element.
 // One lane a 4-byte piece of a row, as this kernel first read them, took 70 us for the 67 MB of
-// bf16 8,16,2048,64 (H100, RESULTS.md, fifty-third session), a third of the copy bandwidth.
+// bf16 8,16,2048,64 (H100, RESULTS.md, fifty-third session), a third of the copy bandwidth. A
+// thread a row piece, its row found by three 64-bit divisions, took 54 us for the 67 MB of float32
+// 8,16,2048,64: so each block holds rows of one (batch, head) pair, its pair found once by a
+// 32-bit division, and each thread kPrepareRows rows (rows_at_once apart), their loads issued
+// together: 54 -> 50 us there, 204 -> 178 at 1,16,32768,128 (fifty-eighth session; still 1.35
+// TB/s of the 3.0 copy bandwidth: not the division's instructions alone, which was the guess).
+constexpr int kPrepareRows = 4;
 template <typename scalar_t, int kVector>
-__global__ void backward_prepare_kernel(const KernelParams p, int lanes) {
+__global__ void backward_prepare_kernel(const KernelParams p, int lanes, unsigned blocks_per_pair) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / lanes;
-  const int lane = threadIdx.x % lanes;
-  const bool valid = row < p.B * p.H * p.L;  // (every lane takes part in the shuffles below)
-  acc_t dot = acc_t(0);
-  if (valid) {
-    const int64_t t = row % p.L, pair = row / p.L, b = pair / p.H, h = pair % p.H;
-    const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t);
-    const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t);
-    using Vector = std::conditional_t<kVector == 1, scalar_t, uint4>;
-    for (int64_t m = int64_t(lane) * kVector; m < p.M; m += int64_t(lanes) * kVector) {
-      const Vector x = *reinterpret_cast<const Vector*>(dout + m), y = *reinterpret_cast<const Vector*>(out + m);
-      const scalar_t* xs = reinterpret_cast<const scalar_t*>(&x);
-      const scalar_t* ys = reinterpret_cast<const scalar_t*>(&y);
+  using Vector = std::conditional_t<kVector == 1, scalar_t, uint4>;
+  const unsigned pair = blockIdx.x / blocks_per_pair, piece = blockIdx.x % blocks_per_pair;
+  const int64_t b = pair / unsigned(p.H), h = pair % unsigned(p.H);
+  const int lane = int(threadIdx.x) % lanes, rows_at_once = int(blockDim.x) / lanes;
+  const int64_t t_first = int64_t(piece) * rows_at_once * kPrepareRows + int(threadIdx.x) / lanes;
+  const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t_first);
+  const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t_first);
+  const int64_t dout_step = rows_at_once * p.dout.stride_l, out_step = rows_at_once * p.o.stride_l;
+  acc_t dot[kPrepareRows] = {};
+  for (int64_t m = int64_t(lane) * kVector; m < p.M; m += int64_t(lanes) * kVector) {
+    Vector x[kPrepareRows], y[kPrepareRows];
 #pragma unroll
-      for (int i = 0; i < kVector; ++i) dot += acc_t(xs[i]) * acc_t(ys[i]);
+    for (int i = 0; i < kPrepareRows; ++i) {
+      if (t_first + int64_t(i) * rows_at_once < p.L) {
+        x[i] = *reinterpret_cast<const Vector*>(dout + i * dout_step + m);
+        y[i] = *reinterpret_cast<const Vector*>(out + i * out_step + m);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kPrepareRows; ++i) {
+      if (t_first + int64_t(i) * rows_at_once < p.L) {
+        const scalar_t* xs = reinterpret_cast<const scalar_t*>(&x[i]);
+        const scalar_t* ys = reinterpret_cast<const scalar_t*>(&y[i]);
+#pragma unroll
+        for (int e = 0; e < kVector; ++e) dot[i] += acc_t(xs[e]) * acc_t(ys[e]);
+      }
     }
   }
-  for (int offset = lanes / 2; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset, lanes);
-  if (valid && lane == 0) static_cast<acc_t*>(p.dout_dot_out)[row] = dot;
+#pragma unroll
+  for (int i = 0; i < kPrepareRows; ++i) {  // (every lane takes part in the shuffles)
+    for (int offset = lanes / 2; offset > 0; offset /= 2) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], offset, lanes);
+    const int64_t t = t_first + int64_t(i) * rows_at_once;
+    if (lane == 0 && t < p.L) static_cast<acc_t*>(p.dout_dot_out)[int64_t(pair) * p.L + t] = dot[i];
+  }
 }
 
 // Whether dO's and O's rows are whole 16-byte vectors, each at a 16-byte boundary.
@@ -136,12 +157,14 @@ void launch_backward_prepare(const KernelParams& p, cudaStream_t stream) {
   const int64_t pieces = vectors ? p.M / kVector : p.M;  // a row's reads
   int lanes = 1;
   while (lanes < kWarp && lanes < pieces) lanes *= 2;
-  const int64_t blocks = (p.B * p.H * p.L * lanes + kThreads - 1) / kThreads;
+  const int64_t block_rows = int64_t(kThreads / lanes) * kPrepareRows;  // a block's rows, of one pair
+  const int64_t blocks_per_pair = (p.L + block_rows - 1) / block_rows, blocks = p.B * p.H * blocks_per_pair;
+  if (blocks == 0) return;
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: B * H * L too large: ", p.B * p.H * p.L);
   if (vectors) {
-    backward_prepare_kernel<scalar_t, kVector><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes);
+    backward_prepare_kernel<scalar_t, kVector><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes, unsigned(blocks_per_pair));
   } else {
-    backward_prepare_kernel<scalar_t, 1><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes);
+    backward_prepare_kernel<scalar_t, 1><<<unsigned(blocks), kThreads, 0, stream>>>(p, lanes, unsigned(blocks_per_pair));
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
