@@ -111,19 +111,22 @@ __global__ void backward_prepare_kernel(const KernelParams p, int lanes, unsigne
   const scalar_t* dout = static_cast<const scalar_t*>(p.dout.ptr) + p.dout.offset(b, h, t_first);
   const scalar_t* out = static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(b, h, t_first);
   const int64_t dout_step = rows_at_once * p.dout.stride_l, out_step = rows_at_once * p.o.stride_l;
+  int64_t t[kPrepareRows];  // this thread's rows
+#pragma unroll
+  for (int i = 0; i < kPrepareRows; ++i) t[i] = t_first + int64_t(i) * rows_at_once;
   acc_t dot[kPrepareRows] = {};
   for (int64_t m = int64_t(lane) * kVector; m < p.M; m += int64_t(lanes) * kVector) {
     Vector x[kPrepareRows], y[kPrepareRows];
 #pragma unroll
     for (int i = 0; i < kPrepareRows; ++i) {
-      if (t_first + int64_t(i) * rows_at_once < p.L) {
+      if (t[i] < p.L) {
         x[i] = *reinterpret_cast<const Vector*>(dout + i * dout_step + m);
         y[i] = *reinterpret_cast<const Vector*>(out + i * out_step + m);
       }
     }
 #pragma unroll
     for (int i = 0; i < kPrepareRows; ++i) {
-      if (t_first + int64_t(i) * rows_at_once < p.L) {
+      if (t[i] < p.L) {
         const scalar_t* xs = reinterpret_cast<const scalar_t*>(&x[i]);
         const scalar_t* ys = reinterpret_cast<const scalar_t*>(&y[i]);
 #pragma unroll
@@ -134,8 +137,7 @@ __global__ void backward_prepare_kernel(const KernelParams p, int lanes, unsigne
 #pragma unroll
   for (int i = 0; i < kPrepareRows; ++i) {  // (every lane takes part in the shuffles)
     for (int offset = lanes / 2; offset > 0; offset /= 2) dot[i] += __shfl_xor_sync(0xffffffffu, dot[i], offset, lanes);
-    const int64_t t = t_first + int64_t(i) * rows_at_once;
-    if (lane == 0 && t < p.L) static_cast<acc_t*>(p.dout_dot_out)[int64_t(pair) * p.L + t] = dot[i];
+    if (lane == 0 && t[i] < p.L) static_cast<acc_t*>(p.dout_dot_out)[int64_t(pair) * p.L + t[i]] = dot[i];
   }
 }
 

@@ -112,8 +112,9 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // wide kernel's kNormalize); float32's forward, dq and dk in one row tile (wgmma_tf32_product_kernel's
     // kNormalize: den needs all of q's columns; dq's and dk's extra row is added once), and dv where dk
     // runs (its Dc is dk's Da: dv takes dk's segment starts, which the other families scale otherwise).
-    if (p.normalize && kFloat && (P == Pass::GradV ? Dc : Da) > wgmma::C * tf32_row_parts(P == Pass::GradV ? Dc : Da)) {
-      return false;
+    if (p.normalize && kFloat) {
+      const int64_t rows = P == Pass::GradV ? Dc : Da;  // (dv: dk's Da)
+      if (rows > wgmma::C * tf32_row_parts(rows)) return false;
     }
     if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq

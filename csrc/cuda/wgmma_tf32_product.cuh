@@ -582,7 +582,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // this consumer's warps' largest |x| of operand t (0: A, 1: B, 2: Cc, 3: S, 4: z), warp_max[4 t + warp]
   float* const warp_max = reinterpret_cast<float*>(wgmma_smem + L::kWarpMax) + 4 * L::kMaxima * me;
   uint32_t* const sigma = reinterpret_cast<uint32_t*>(wgmma_smem + L::kSigma);
-  uint32_t* const zeta = sigma + kConsumers;  // (kNormalize) each consumer's published ζ
+  uint32_t* const zeta = sigma + kConsumers;  // (kForwardSums) each consumer's published ζ
   // (kKeySums) the key sum entering each chunk and its copy (KeySum)
   const KeySum<kKeyParts> keys{reinterpret_cast<float*>(wgmma_smem + L::kKeyMaster), base + uint32_t(L::kZ16), warp, lane};
   // (kKeySums) the staged tile whose column sums z adds: the forward's B (k), dq's Cc (k), dk's Cc
@@ -922,7 +922,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     const uint32_t slot = base + uint32_t(PassRing::slot(it));
     float score[32], out_pc[32], out_as[32], sums[kParts][32];
     float pc_inverse[2];
-    float row_sums[2] = {0.f, 0.f};  // (kNormalize) the masked scores' (2^(α + β) scaled), rows row, row + 8
+    float row_sums[2] = {0.f, 0.f};  // (kForwardSums) the masked scores' (2^(α + β) scaled), rows row, row + 8
     fence();
 #pragma unroll
     for (int j = 0; j < kParts; ++j) {  // 2^(α + β) A B^T, over the parts' K
@@ -998,7 +998,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     for (int j = 0; j < kParts; ++j) {  // 2^(α + σ) A S, over the parts' K
       times<kSplit, 1>(out_as, TileHalves<0>(slot + tile_of(0, j)), s16 + kTile * j, j > 0);
     }
-    float key_dots[4];  // (kNormalize) 2^(α + ζ) A Z16: q . z's head and tail parts (KeySum)
+    float key_dots[4];  // (kForwardSums) 2^(α + ζ) A Z16: q . z's head and tail parts (KeySum)
     float key_inverse = 0.f;
     if constexpr (kForwardSums) {
       key_inverse = power_of_two(254 - int(k[0]) - int(zeta[handed]));
@@ -1047,7 +1047,7 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         store_segment_end(s, z);
       }
     }
-    // (kNormalize) each row's den, stored by the first column tile for the backward, and its
+    // (kForwardSums) each row's den, stored by the first column tile for the backward, and its
     // factor scale / den in both inverses
     float pc_row[2] = {pc_inverse[0], pc_inverse[1]}, as_row[2] = {as_inverse, as_inverse};
     if constexpr (kExtraRow) {  // (out_as final already)
