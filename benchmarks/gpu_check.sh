@@ -213,10 +213,11 @@ if has sanitize; then
   # loads, as it does on benchmarks/racecheck_probe.cu, that protocol alone with correct sums
   # (gpu_check's ring_race stage; RESULTS.md, fifty-third session)
   sanitize wgmma_normalize "test_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96 or B1H1L260E160M200) and bhld and 3-0.7-given or test_normalized_two_reverse_passes_with_states and B1H2L333E128M40 and 3-" tests/test_wgmma.py racecheck
-  # float32's normalized forward (KeySum: z handed on with S, Z16 beside A S), dq and dk (their
-  # extra row) and dv (RowTerms), 64 rows a block and 128, in segments, from a given state; the
-  # backward's own segments
-  sanitize wgmma_tf32_normalize "test_float32_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96) and bhld and 3-0.7-given or test_float32_normalized_backward_segments and B2H3L300E64M64" tests/test_wgmma.py
+  # float32's normalized forward (KeySum: z handed on with S, Z16 beside A S; at E = 256 in two
+  # row tiles, den's parts added), dq and dk (their extra row; at M = 200 in row tiles, the extra
+  # row in tile 0's) and dv (RowTerms), 64 rows a block and 128, in segments, from a given state;
+  # the backward's own segments
+  sanitize wgmma_tf32_normalize "test_float32_normalized_forward_on_the_wgmma_kernels and (B2H3L300E64M64 or B1H2L700E128M96 or B1H2L300E256M64) and bhld and 3-0.7-given or test_float32_normalized_backward_segments and (B2H3L300E64M64 or B1H2L333E40M200)" tests/test_wgmma.py
   sanitize wgmma_normalize_reuse "test_normalized_forward_on_the_wgmma_kernels and B2H3L300E64M64 and bhld and 1-0.7-given and bfloat16" tests/test_wgmma.py racecheck
   # the forward's one launch at two atoms on two warpgroups (E = M = 128, FAST_CAUSAL_ATTN_ONE_LAUNCH=1)
   sanitize one_launch_wide "test_one_launch_segments and E128M128 and 3-torch" tests/test_wgmma.py

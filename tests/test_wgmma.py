@@ -2,8 +2,9 @@
 M up to 256 (the forward and dq; dk and dv as two reverse passes above 128), dk with dv in one pass
 up to 128; csrc/cuda/wgmma_tf32_product.cuh: float32's every pass,
 E and M up to 256 (above 64 in row and column tiles of 64), float16 heads and tails of scaled tiles,
-or the heads alone where TF32 is allowed; normalize only in 16 bits, the forward and dq (four
-atoms on two warpgroups), dk with dv in one pass; no states in or out with packed sequences; on
+or the heads alone where TF32 is allowed, normalize too (the forward above 128 in two row tiles);
+16-bit normalize: the forward and dq (four atoms on two warpgroups), dk with dv in one pass up to
+128, two reverse passes above; no states in or out with packed sequences; on
 devices of compute capability 9.0 when the build's arch list
 holds 9.0a) against float64 and beside the mma.sync kernels (FAST_CAUSAL_ATTN_WGMMA=0). Elsewhere
 these calls take the other kernels and the tests still check the results. The tests that the
@@ -895,9 +896,10 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
     (KeySum) where the state's rows fit one row tile (E up to 64 on blocks of 64 rows, up to 128 on
     blocks of 128), heads and tails or the heads alone where the user allowed TF32, in segments
     through the state-only launch and the scan, and on no mma.sync kernel; so do dq and dk (their
-    extra row) where M fits one, and dv beside dk (as two reverse passes), the backward then on no
-    mma.sync or recurrent kernel. Above 128 (den needs all of q's columns, which row tiles split)
-    and at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 the forward is not on them."""
+    extra row, in row tile 0 alone above one) and dv beside dk (as two reverse passes), the
+    backward on no mma.sync or recurrent kernel. Above 128 the forward runs in two row tiles (den's parts summed,
+    the outputs divided after the pass), and so at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64;
+    above 128 in 64-row tiles (three or four) it is not on them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     def parts(D):
@@ -918,16 +920,20 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
         split = str(not allow_tf32).lower()
         # dq's and dk's Da is M; dv's Da is E (its Dc M)
         backward = {("1", split, parts(M), "true"), ("2", split, parts(M), "true"), ("3", split, parts(E), "true")}
-        assert launched == (backward if M <= 128 else set()), (E, M, names)
-        if M <= 128:
-            assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
-    for E, rows in ((256, None), (160, None), (128, "64")):
+        assert launched == backward, (E, M, names)
+        assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+    for E, rows, on in ((256, None, "2"), (160, None, "2"), (128, "64", "1"), (256, "64", None), (160, "64", None)):
         if rows:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", rows)
         q, k, v = make_inputs(2, 3, 300, E, 64, dtype=torch.float32, device="cuda", normalize=True)
         with cuda_kernels_launched() as names:
             fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
-        assert not any("wgmma" in n for n in names), (E, rows, names)
+        if on:
+            launched = {tuple(tf32_arguments(n)) for n in names if "wgmma_tf32_product_kernel" in n}
+            assert launched == {("0", str(not allow_tf32).lower(), on, "true")}, (E, rows, names)
+            assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+        else:
+            assert not any("wgmma" in n for n in names), (E, rows, names)
         monkeypatch.delenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", raising=False)
 
 
@@ -938,7 +944,8 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
 @pytest.mark.parametrize("segments", ["1", "3"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
-                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8), (2, 1, 150, 100, 72)], ids=shape_id)
+                                   (1, 3, 333, 128, 40), (1, 2, 100, 16, 8), (2, 1, 150, 100, 72),
+                                   (1, 2, 300, 256, 64), (2, 1, 200, 160, 40)], ids=shape_id)
 def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale, state, monkeypatch):
     """float32 under normalize with the forward on the wgmma kernel where the build has it (the key
     sum z entering each chunk handed on with S, the chunk's sums of k added from the staged float32
@@ -946,7 +953,8 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
     masked scores and q . z, each output row times scale / den; the den it stores read by the
     backward; dq on the wgmma kernel where M is up to 128, a = -dO[t] . O[t] beside each score of
     row t and a z over its columns of k; dk and dv there too, their Cc's rows divided by den, dk's
-    a beside each score of column t and e, the sums of a q / den, added to each row): in 1 or 3
+    a beside each score of column t and e, the sums of a q / den, added to each row; above E = 128
+    the forward in two row tiles, their outputs and den's parts summed, then divided): in 1 or 3
     time segments (the key sums' state-only sums
     and scan), 64 rows a block or 128, partial chunks, E != M, column tiles, both layouts, scale 1
     and 0.7, from zeros or a given state with the final state out: every result within 1e-5 of
@@ -967,18 +975,40 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("reuse", ["0", "1"])
-@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 96, 128), (1, 2, 333, 256, 40)], ids=shape_id)
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 96, 128), (1, 2, 333, 256, 40),
+                                   (1, 2, 333, 40, 200)], ids=shape_id)
 def test_float32_normalized_backward_segments(shape, reuse, monkeypatch):
     """float32's normalized backward on the wgmma kernels in 3 time segments: dq from its own
     state-only launch and scan (the extra row's sums of k: FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) or
     from the forward's starts and key sums, with the forward on mma.sync where E is above 128; dk
     from its own (e's sums of a q / den, from the final key sum's gradient), dv from its own or
-    from dk's starts (at E = 256 in two row tiles): every result within 1e-5 of float64, from a
-    given state."""
+    from dk's starts (at E = 256 in two row tiles; at M = 200 dq and dk in two, their extra row in
+    the first alone): every result within 1e-5 of float64, from a given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", reuse)
     B, H, L, E, M = shape
     gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, reuse)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
+    state0 = list(make_state(B, H, E, M, torch.float32, True))
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
+                                                                   layout="bhld", **kw),
+                     exact_in_float32=set(STATE_CALL_RESULTS))
+
+
+@CUDA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("segments", ["1", "3"])
+def test_float32_normalized_in_64_row_tiles(segments, monkeypatch):
+    """float32 under normalize with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64 at E = 96, M = 256: the
+    forward in two row tiles of 64 (den's parts summed, the outputs divided after), dq and dk in
+    four (tiles 2 and 3 adding into their own buffer; the extra row in tile 0 alone), dv in two:
+    every result within 1e-5 of float64, from a given state."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = 1, 2, 300, 96, 256
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(("64-row tiles", segments)).encode()))
     q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
     state0 = list(make_state(B, H, E, M, torch.float32, True))
     check_state_call(q, k, v, state0, (B, H, E, M), gen,

@@ -213,9 +213,10 @@ bool on_recurrent(const KernelParams& p, int64_t Da, int64_t Dc) {
 //    4,16,8192,64 (64 pairs, 2 segments) 1.312 / 1.360; 2,4,8192,64 (8 pairs, 16 segments) 0.239
 //    / 0.249. (Before dv took dk's starts, each reverse pass ran its own state-only launch and
 //    scan, and the fused pass won in segments: 1.418 / 1.362, 0.267 / 0.249, twentieth session.)
-//    Under normalize too (M up to 128, wgmma_takes), H100 fwd+bwd ms, the fused mma.sync pass (or
-//    recurrent) / two wgmma passes: 8,16,2048,64 0.807 / 0.615; 4,16,8192,64 1.611 / 1.246;
-//    8,16,2048,128 (recurrent) 2.239 / 1.545 (RESULTS.md, fifty-eighth session);
+//    Under normalize too (every M up to 256, wgmma_takes), H100 fwd+bwd ms, the fused mma.sync pass
+//    (or recurrent) / two wgmma passes: 8,16,2048,64 0.807 / 0.615; 4,16,8192,64 1.611 / 1.246;
+//    8,16,2048,128 (recurrent) 2.239 / 1.545 (RESULTS.md, fifty-eighth session); 2,8,4096,64,256
+//    (mma.sync) 1.82 / 0.71 (fifty-ninth);
 //  - tensor cores, E, M <= 64 (Pass::GradKV, see tensorcore_product.cuh): faster than the two
 //    passes at every shape it takes (H200 fwd+bwd ms, fused / two passes: bf16 8,16,2048,64 0.368
 //    / 0.438, 4,16,8192,64 0.594 / 0.685; fp32 8,16,2048,64 1.511 / 1.552, 2,4,8192,64 0.461 /

@@ -52,8 +52,8 @@ inline int tf32_row_parts(int64_t Da) {
 }
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
-// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's forward, dq and dk in
-// one row tile (Da up to 128), no states in or out with packed sequences, and
+// normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's (the forward in up
+// to two row tiles), no states in or out with packed sequences, and
 //  - bfloat16 or float16: dk and dv in one pass (GradKV; run_grad_kv asks with the dk pass's
 //    Da = M, Dc = E) for Da and Dc up to 128, each pass alone (the forward, dq, and dk and dv as
 //    two reverse passes where GradKV does not run) up to 256, in whole 16-byte vectors;
@@ -109,13 +109,10 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // Normalize: the 16-bit passes (wgmma_product_kernel's kNormalize: the forward's and dq's
     // KeySums, dk's extra row, dk's and dv's q / den; at four atoms only with the state's rows split
     // between two warpgroups), and dk with dv in one pass up to 128 (wgmma_grad_kv_kernel's and the
-    // wide kernel's kNormalize); float32's forward, dq and dk in one row tile (wgmma_tf32_product_kernel's
-    // kNormalize: den needs all of q's columns; dq's and dk's extra row is added once), and dv where dk
-    // runs (its Dc is dk's Da: dv takes dk's segment starts, which the other families scale otherwise).
-    if (p.normalize && kFloat) {
-      const int64_t rows = P == Pass::GradV ? Dc : Da;  // (dv: dk's Da)
-      if (rows > wgmma::C * tf32_row_parts(rows)) return false;
-    }
+    // wide kernel's kNormalize); float32's every pass (wgmma_tf32_product_kernel's kNormalize: dq's
+    // and dk's extra row in row tile 0's outputs alone; the forward in up to two row tiles, den's
+    // parts summed, divide_by_den).
+    if (p.normalize && kFloat && P == Pass::Forward && Da > 2 * wgmma::C * tf32_row_parts(Da)) return false;
     if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
@@ -183,6 +180,8 @@ struct RowTileSums {
                 "strides (", out.stride_b, ", ", out.stride_h, ", ", out.stride_l, ") for [", p.B, ", ", p.H, ", ",
                 p.L, ", ", Dc, "]");
     C10_CUDA_CHECK(cudaMemsetAsync(out.ptr, 0, size_t(count) * sizeof(float), stream));
+    // (the normalized forward: den's parts added too, divide_by_den)
+    if (P == Pass::Forward && p.normalize) C10_CUDA_CHECK(cudaMemsetAsync(p.den, 0, size_t(p.B * p.H * p.L) * sizeof(float), stream));
     if (row_tiles > 2) {
       upper = at::empty({count}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
       C10_CUDA_CHECK(cudaMemsetAsync(upper.data_ptr(), 0, size_t(count) * sizeof(float), stream));
@@ -195,6 +194,17 @@ struct RowTileSums {
     at::from_blob(pass_output<P>(p).ptr, {count}, upper.options()).add_(upper);
   }
 };
+
+// The normalized float32 forward in two row tiles (wgmma_takes): its outputs, summed undivided as
+// den's parts were (wgmma_tf32_product_kernel), divided by den after the pass, on the current
+// stream (the launches'): one more read and write of O, where one block holding all of E's rows
+// would not fit its chunks' tiles in shared memory.
+inline void divide_by_den(const KernelParams& p, int64_t Dc) {
+  const StridedTensor& out = pass_output<Pass::Forward>(p);
+  const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+  at::from_blob(out.ptr, {p.B, p.H, p.L, Dc}, {out.stride_b, out.stride_h, out.stride_l, 1}, options)
+      .div_(at::from_blob(p.den, {p.B, p.H, p.L, 1}, options));
+}
 
 // Whether float32's row tiles (above one tile of the state's rows: 128, or 64 with
 // FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) run one launch each
@@ -465,6 +475,9 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     launch_segmented<P>(kernel, p, workspace, blocks * p.segments, threads, smem, stream, Da, Dc, col_tiles,
                         one_launch ? one_launch_kernel : nullptr);
     sums.finish(p);
+  }
+  if constexpr (kFloat && P == Pass::Forward) {
+    if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
   if constexpr (P == Pass::Forward) {
     if (p.keep_segments) return workspace.kept();

@@ -1,8 +1,8 @@
 // Every pass of float32 on Hopper's wgmma (sm_90a): the forward and dq, and dk and dv as two
 // reverse passes (where run_grad_kv takes them), float32-accurate from float16 parts (the heads
-// alone where the user allowed TF32, KernelParams::tf32), and under normalize every pass in one
-// row tile (up to 128 of the state's rows: the forward's normalizer and the backward's extra row,
-// KeySum; dk's and dv's rows of q and dO divided by den, RowTerms): per chunk of C = 64 timesteps
+// alone where the user allowed TF32, KernelParams::tf32), and under normalize every pass (the
+// forward's normalizer and the backward's extra row, KeySum, summed over row tiles as the outputs
+// are; dk's and dv's rows of q and dO divided by den, RowTerms): per chunk of C = 64 timesteps
 //
 //   scores = A B^T,  out = A S + mask(scores) Cc,  S += B^T Cc
 //
@@ -310,7 +310,8 @@ struct Stager {
 
 // The forward's normalizer (wgmma_tf32_product_kernel's kNormalize): den[t] = eps + scale (the
 // row sum of the chunk's masked scores + q[t] . z), z the key sum entering the chunk over the
-// block's rows of the state (so one row tile: Da up to 128). z's float32 master lies in shared
+// block's rows of the state (in row tiles each tile's part of den, summed as the outputs are:
+// the forward's den then divides O after the pass, divide_by_den). z's float32 master lies in shared
 // memory and is handed from consumer to consumer with S (publish): lanes 0-7 of each warp own its
 // columns 64 j + 16 w + 2 l (+1), and add to them the chunk's column sums of k, summed from the
 // staged float32 B before its derivation (chunk_sums: exact float32). Its copy Z16, one K-major
@@ -588,6 +589,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   // (kKeySums) the staged tile whose column sums z adds: the forward's B (k), dq's Cc (k), dk's Cc
   // (q, each row times a / den: RowTerms)
   constexpr int kKeyTile = kExtraRow ? L::kCc : L::kB;
+  // (kExtraRow) the extra row's terms go into row tile 0's outputs alone (dq's and dk's outputs
+  // summing over the row tiles: launch_wgmma_kernels)
+  const bool extra_here = work.k0 == 0;
   // (kDividesCc) this consumer's chunk's row terms
   const RowTerms terms{reinterpret_cast<float*>(wgmma_smem + L::kRowTerms) + 3 * C * me};
   // The chunk's row terms (kDividesCc): den and dO . O of row tid read (before the slot's wait),
@@ -773,8 +777,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           }
       }
     }
-    if constexpr (kExtraRow) {  // (each column tile its own columns)
-      if (to.extra != nullptr && keys.owner()) {
+    if constexpr (kExtraRow) {  // (each column tile its own columns; in row tiles, tile 0's)
+      if (to.extra != nullptr && extra_here && keys.owner()) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t col = work.m0 + keys.column(0, e);
@@ -904,18 +908,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
     // (kExtraRow) each output row's factor and the weight of z (e) in it: dq's scale / den[t] and
     // a[t] scale / den[t], with a[t] = -dO[t] . O[t] beside each score of row t, read while the
     // chunk derives; dk's scale and scale (its a is a column's: RowTerms)
+    // In row tiles (the outputs their sum) the extra row's terms are row tile 0's alone.
     float extra_a[2] = {0.f, 0.f}, extra_factor[2] = {0.f, 0.f}, extra_weight[2] = {0.f, 0.f};
     if constexpr (kExtraRow && !kReverse) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         if (row + 8 * h < n) {
-          extra_a[h] = -ops.dout_dot_out[t0 + row + 8 * h];
+          extra_a[h] = extra_here ? -ops.dout_dot_out[t0 + row + 8 * h] : 0.f;
           extra_factor[h] = factor / ops.den[t0 + row + 8 * h];
           extra_weight[h] = extra_a[h] * extra_factor[h];
         }
       }
     } else if constexpr (kExtraRow) {
-      extra_factor[0] = extra_factor[1] = extra_weight[0] = extra_weight[1] = factor;
+      extra_factor[0] = extra_factor[1] = factor;
+      extra_weight[0] = extra_weight[1] = extra_here ? factor : 0.f;
     }
     uint32_t k[3];  // α, β, γ
     derive(PassRing::slot(it), k);
@@ -947,7 +953,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
           const int t = 16 * s + 2 * q4 + 8 * (r / 2), h = r % 2;  // timestep (column) of entry 0
           const int rr = row + 8 * h;
           float2 column_a = make_float2(0.f, 0.f);  // (kColumnTerms) a of columns t, t + 1
-          if constexpr (kColumnTerms) column_a = *reinterpret_cast<const float2*>(terms.a() + t);
+          if constexpr (kColumnTerms) {
+            if (extra_here) column_a = *reinterpret_cast<const float2*>(terms.a() + t);
+          }
 #pragma unroll
           for (int d = 0; d < 2; ++d) {
             const bool kept = kReverse ? t + d >= rr : t + d <= rr;
@@ -1047,9 +1055,12 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         store_segment_end(s, z);
       }
     }
-    // (kForwardSums) each row's den, stored by the first column tile for the backward, and its
-    // factor scale / den in both inverses
+    // (kForwardSums) each row's den, stored by the first column tile for the backward (after the
+    // outputs), and its factor scale / den in both inverses. In row tiles (two at most: wgmma_takes)
+    // each tile's part of den (row tile 0's with eps) is summed as the outputs are, which stay
+    // undivided: the launcher divides them by den after the pass (divide_by_den).
     float pc_row[2] = {pc_inverse[0], pc_inverse[1]}, as_row[2] = {as_inverse, as_inverse};
+    float den[2] = {0.f, 0.f};  // (kForwardSums) this tile's part: all of it in one tile
     if constexpr (kExtraRow) {  // (out_as final already)
 #pragma unroll
       for (int h = 0; h < 2; ++h) pc_row[h] *= extra_factor[h], as_row[h] = 1.f;
@@ -1059,9 +1070,8 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const float dot = __shfl_sync(0xffffffffu, (key_dots[2 * h] + key_dots[2 * h + 1]) * key_inverse, quad_lead);
-        const float den = float(p.eps) + factor * (row_sums[h] + dot);
-        if (work.col_tile == 0 && q4 == 0 && row + 8 * h < n) static_cast<float*>(p.den)[work.den_row + t0 + row + 8 * h] = den;
-        const float row_factor = factor / den;
+        den[h] = (work.k0 == 0 ? float(p.eps) : 0.f) + factor * (row_sums[h] + dot);
+        const float row_factor = row_tiles > 1 ? factor : factor / den[h];
         pc_row[h] *= row_factor, as_row[h] *= row_factor;
       }
     }
@@ -1093,6 +1103,13 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       stores(add_pair);
     } else {
       stores([](float* at, float x, float y) { *reinterpret_cast<float2*>(at) = make_float2(x, y); });
+    }
+    if (kForwardSums && work.col_tile == 0 && q4 == 0) {  // den (in row tiles its parts, as the outputs)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float* const at = static_cast<float*>(p.den) + work.den_row + t0 + row + 8 * h;
+        if (row + 8 * h < n) adds_outputs ? void(atomicAdd(at, den[h])) : void(*at = den[h]);
+      }
     }
   }
   if (chunks == 0 && me == 0) {  // an empty segment: its end is its start
