@@ -972,6 +972,20 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
                      exact_in_float32=set(STATE_CALL_RESULTS))
 
 
+def check_float32_normalized_state_call(shape, seed_key):
+    """A float32 normalized call from a given state, scale 0.7, bhld: every result (outputs, final
+    state, gradients) within 1e-5 of float64; the inputs seeded from seed_key."""
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(seed_key).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
+    state0 = list(make_state(B, H, E, M, torch.float32, True))
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
+                                                                   layout="bhld", **kw),
+                     exact_in_float32=set(STATE_CALL_RESULTS))
+
+
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("reuse", ["0", "1"])
@@ -980,21 +994,13 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
 def test_float32_normalized_backward_segments(shape, reuse, monkeypatch):
     """float32's normalized backward on the wgmma kernels in 3 time segments: dq from its own
     state-only launch and scan (the extra row's sums of k: FAST_CAUSAL_ATTN_REUSE_SEGMENTS=0) or
-    from the forward's starts and key sums, with the forward on mma.sync where E is above 128; dk
-    from its own (e's sums of a q / den, from the final key sum's gradient), dv from its own or
-    from dk's starts (at E = 256 in two row tiles; at M = 200 dq and dk in two, their extra row in
-    the first alone): every result within 1e-5 of float64, from a given state."""
+    from the forward's starts and key sums (at E = 256 the forward in two row tiles); dk from its
+    own (e's sums of a q / den, from the final key sum's gradient), dv from its own or from dk's
+    starts (at E = 256 in two row tiles; at M = 200 dq and dk in two, their extra row in the first
+    alone): every result within 1e-5 of float64, from a given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", reuse)
-    B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, reuse)).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
-    state0 = list(make_state(B, H, E, M, torch.float32, True))
-    check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
-                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
-                                                                   layout="bhld", **kw),
-                     exact_in_float32=set(STATE_CALL_RESULTS))
+    check_float32_normalized_state_call(shape, (shape, reuse))
 
 
 @CUDA
@@ -1007,15 +1013,7 @@ def test_float32_normalized_in_64_row_tiles(segments, monkeypatch):
     every result within 1e-5 of float64, from a given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    B, H, L, E, M = 1, 2, 300, 96, 256
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(("64-row tiles", segments)).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
-    state0 = list(make_state(B, H, E, M, torch.float32, True))
-    check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
-                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
-                                                                   layout="bhld", **kw),
-                     exact_in_float32=set(STATE_CALL_RESULTS))
+    check_float32_normalized_state_call((1, 2, 300, 96, 256), ("64-row tiles", segments))
 
 
 @CUDA
