@@ -627,17 +627,20 @@ def test_float32_row_tiles_are_deterministic(tile_rows, head_dim, segments, laun
 @pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (2, 3, 130, 128, 64), (2, 1, 130, 200, 136),
                                    (1, 2, 300, 256, 256), (2, 1, 200, 64, 256)], ids=shape_id)
 @pytest.mark.parametrize("tile_rows", ["64", "128"])
-def test_float32_row_tiles_one_launch_each(tile_rows, shape, layout, monkeypatch):
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
+def test_float32_row_tiles_one_launch_each(normalize, tile_rows, shape, layout, monkeypatch):
     """float32's row tiles (64 or 128 of the state's rows) one launch each
     (FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES=1, in one segment): tile 0 stores its outputs and the later
     tiles add into them (no zeroed buffers; the outputs NaN-filled when allocated), with partial
-    tiles and E != M, both layouts: within float32's 1e-5 of float64.
+    tiles and E != M, both layouts; under normalize too (the forward in up to two tiles: tile 0
+    stores its part of den, tile 1 adds its own, O divided after; dq's and dk's extra row in tile
+    0's outputs alone): within float32's 1e-5 of float64.
     (test_float32_row_tiles_launch_choice counts the launches.)"""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", tile_rows)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_LAUNCHES", "1")
-    q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=0.8, normalize=False, layout=layout)
+    q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout, normalize=normalize)
+    check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout=layout)
 
 
 @CUDA
