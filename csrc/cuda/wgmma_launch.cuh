@@ -343,7 +343,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // alternate chunks, column tiles of 64, a block over 64 rows of the state or above 64 over 128,
   // and above 128 two row tiles (or up to four of 64), one block each, summing their outputs (one
   // launch a tile, or RowTileSums: row_tiles_in_sequence).
-  const bool normalize = p.normalize;  // (wgmma_takes: 16-bit, four atoms on two groups; float32: one row tile)
+  // (wgmma_takes: 16-bit at four atoms on two groups; float32's forward in up to two row tiles)
+  const bool normalize = p.normalize;
   const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
   const int atoms = layout.atoms, groups = layout.groups;
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
