@@ -940,6 +940,22 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
         monkeypatch.delenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", raising=False)
 
 
+def check_normalized_state_call(shape, seed_key, *, dtype=torch.float32, layout="bhld", scale=0.7, given_state=True):
+    """A normalized call on CUDA from a given state (or zeros), the final state out, against float64
+    (check_state_call): in float32 every result (outputs, final state, gradients) within 1e-5, in
+    16 bits the final state; the inputs seeded from seed_key."""
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(seed_key).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, normalize=True, generator=gen)
+    state0 = list(make_state(B, H, E, M, dtype, True)) if given_state else []
+    exact = set(STATE_CALL_RESULTS) if dtype == torch.float32 else {"final kv", "final k_sum"}
+    check_state_call(q, k, v, state0, (B, H, E, M), gen,
+                     lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
+                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
+                                                                   layout=layout, **kw),
+                     exact_in_float32=exact)
+
+
 @CUDA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("state", ["zero", "given"])
@@ -963,30 +979,8 @@ def test_float32_normalized_forward_on_the_wgmma_kernels(shape, layout, segments
     and 0.7, from zeros or a given state with the final state out: every result within 1e-5 of
     float64."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state)).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", layout=layout, normalize=True,
-                          generator=gen)
-    state0 = list(make_state(B, H, E, M, torch.float32, True)) if state == "given" else []
-    check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
-                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
-                                                                   layout=layout, **kw),
-                     exact_in_float32=set(STATE_CALL_RESULTS))
-
-
-def check_float32_normalized_state_call(shape, seed_key):
-    """A float32 normalized call from a given state, scale 0.7, bhld: every result (outputs, final
-    state, gradients) within 1e-5 of float64; the inputs seeded from seed_key."""
-    B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr(seed_key).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=torch.float32, device="cuda", normalize=True, generator=gen)
-    state0 = list(make_state(B, H, E, M, torch.float32, True))
-    check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=True),
-                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, normalize=True,
-                                                                   layout="bhld", **kw),
-                     exact_in_float32=set(STATE_CALL_RESULTS))
+    check_normalized_state_call(shape, (shape, layout, segments, scale, state), layout=layout, scale=scale,
+                                given_state=state == "given")
 
 
 @CUDA
@@ -1003,7 +997,7 @@ def test_float32_normalized_backward_segments(shape, reuse, monkeypatch):
     alone): every result within 1e-5 of float64, from a given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_REUSE_SEGMENTS", reuse)
-    check_float32_normalized_state_call(shape, (shape, reuse))
+    check_normalized_state_call(shape, (shape, reuse))
 
 
 @CUDA
@@ -1016,7 +1010,7 @@ def test_float32_normalized_in_64_row_tiles(segments, monkeypatch):
     every result within 1e-5 of float64, from a given state."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", "64")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    check_float32_normalized_state_call((1, 2, 300, 96, 256), ("64-row tiles", segments))
+    check_normalized_state_call((1, 2, 300, 96, 256), ("64-row tiles", segments))
 
 
 @CUDA
@@ -1097,12 +1091,5 @@ def test_normalized_forward_on_the_wgmma_kernels(shape, layout, segments, scale,
     normalized backward making them from the 16-bit output read back, dO . O, and from q / den
     rounded to 16 bits)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, layout, segments, scale, state, dtype)).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", layout=layout, normalize=True, generator=gen)
-    state0 = list(make_state(B, H, E, M, dtype, True)) if state == "given" else []
-    check_state_call(q, k, v, state0, (B, H, E, M), gen,
-                     lambda q, k, v, s: states_step(q, k, v, s or None, layout, scale, normalize=True),
-                     lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale, normalize=True,
-                                                                   layout=layout, **kw),
-                     exact_in_float32={"final kv", "final k_sum"})
+    check_normalized_state_call(shape, (shape, layout, segments, scale, state, dtype), dtype=dtype, layout=layout,
+                                scale=scale, given_state=state == "given")

@@ -50,6 +50,11 @@ inline int tf32_row_parts(int64_t Da) {
   if (forced != nullptr && std::strcmp(forced, "64") == 0) return 1;
   return Da > 64 ? 2 : 1;
 }
+// The float32 kernel's row tiles over the state's Da rows (one block each, their outputs summed)
+inline int64_t tf32_row_tiles(int64_t Da) {
+  const int64_t rows = int64_t(wgmma::C) * tf32_row_parts(Da);
+  return (Da + rows - 1) / rows;
+}
 
 // Whether pass P runs on the wgmma kernels: built for sm_90a, a device of compute capability 9.0,
 // normalize in the 16-bit passes (at four atoms on two warpgroups) and float32's (the forward in up
@@ -112,7 +117,7 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
     // wide kernel's kNormalize); float32's every pass (wgmma_tf32_product_kernel's kNormalize: dq's
     // and dk's extra row in row tile 0's outputs alone; the forward in up to two row tiles, den's
     // parts summed, divide_by_den).
-    if (p.normalize && kFloat && P == Pass::Forward && Da > 2 * wgmma::C * tf32_row_parts(Da)) return false;
+    if (p.normalize && kFloat && P == Pass::Forward && tf32_row_tiles(Da) > 2) return false;
     if (p.normalize && !kFloat && P != Pass::GradKV && Da > 128 && wgmma_one_group_forced()) return false;
     // Packed sequences keep the 16-bit paths their tests have run on the H200 (the forward and dq
     // up to 128); above 128 and dk and dv as two passes they stay on mma.sync until theirs have.
@@ -350,7 +355,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
   const int row_parts = kFloat ? tf32_row_parts(Da) : 1;
-  const int64_t row_tiles = kFloat ? (Da + C * row_parts - 1) / (C * row_parts) : 1;
+  const int64_t row_tiles = kFloat ? tf32_row_tiles(Da) : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
   const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32] {
