@@ -348,6 +348,8 @@ if has decode; then
   FAST_CAUSAL_ATTN_KERNEL=chunked python benchmarks/decode_benchmark.py 2>&1 | tee "$OUT/decode_chunked.log" | tail -8
   status=$(( status | $? ))
 fi
+# a warm-up beside untimed stages (build tests, say) ends here, and its Triton cache comes back
+finish_warm
 # the tests' and sanitizers' outcomes again last, where later stages' output would push them out of
 # the reply's tail
 [[ -f "$OUT/summary.txt" ]] && { echo "== summary"; cat "$OUT/summary.txt"; }
