@@ -1,64 +1,77 @@
-# Numerics of dq made in a reverse walk (beside dk and dv) by downdating the prefix state: the
-# state before chunk c is the segment end's state minus the later chunks' K^T V. float32 states,
-# bfloat16-rounded inputs, against a float64 reference and the forward walk (the dq pass today).
-# CPU, seconds: python benchmarks/experiments/downdate_dq.py
+# Numerics of dq made in the reverse walk of dk and dv (a design: benchmarks/experiments/README.md,
+# "dq beside dk and dv in one reverse pass"), on the CPU in seconds, bfloat16-rounded inputs,
+# against a float64 reference:
+#   1. the float32 master of the state taken down from the segment's end, S(c) = S(c + 1) - v_c^T k_c,
+#      beside today's forward walk (S built up);
+#   2. the pass as a kernel would run it, T = -S(c + 1) from -S(end) and -dq_c = dO_c T + U(P) k_c
+#      (P = dO_c v_c^T, U keeping s > t), with the kernels' roundings (the state's bfloat16 copy in
+#      dO T, the scores rounded to bfloat16), beside today's dq pass rounded the same way.
+# python benchmarks/experiments/downdate_dq.py
 import torch
 
 torch.manual_seed(0)
+C = 64
 
 
-def run(L, E, M, C, seg, dist="normal"):
+def bf(x):
+    return x.to(torch.bfloat16).to(torch.float32)
+
+
+def inputs(L, E, M, dist):
     k = (torch.randn(L, E) / E**0.5).bfloat16().double()
     v = torch.randn(L, M).bfloat16().double()
-    if dist == "positive":  # adversarial: every term adds the same sign, the state grows as L
-        k = k.abs(); v = v.abs()
-    do = torch.randn(L, M).bfloat16().double()
-    # reference dq[t] = sum_{s<=t} (do[t].v[s]) k[s]
-    def ref():
-        out = torch.empty(L, E, dtype=torch.float64); St = torch.zeros(E, M, dtype=torch.float64)
-        for c0 in range(0, L, C):
-            kc, vc, dc = k[c0:c0+C], v[c0:c0+C], do[c0:c0+C]
-            A = torch.tril(dc @ vc.T)
-            out[c0:c0+C] = A @ kc + dc @ St.T
-            St = St + kc.T @ vc
-        return out
-    def forward_walk(dt=torch.float32):
-        out = torch.empty(L, E, dtype=dt); St = torch.zeros(E, M, dtype=dt)
-        kk, vv, dd = k.to(dt), v.to(dt), do.to(dt)
-        for c0 in range(0, L, C):
-            kc, vc, dc = kk[c0:c0+C], vv[c0:c0+C], dd[c0:c0+C]
-            out[c0:c0+C] = torch.tril(dc @ vc.T) @ kc + dc @ St.T
-            St = St + kc.T @ vc
-        return out
-    def downdate_walk(dt=torch.float32):
-        out = torch.empty(L, E, dtype=dt)
-        kk, vv, dd = k.to(dt), v.to(dt), do.to(dt)
-        # segment ends' states as the forward keeps them (float32, summed forward)
-        ends = []; St = torch.zeros(E, M, dtype=dt)
-        for c0 in range(0, L, C):
-            St = St + kk[c0:c0+C].T @ vv[c0:c0+C]
-            if (c0 + C) % seg == 0 or c0 + C >= L: ends.append(St.clone())
-        for si, s0 in enumerate(range(0, L, seg)):
-            St = ends[si].clone()
-            for c0 in reversed(range(s0, min(s0 + seg, L), C)):
-                kc, vc, dc = kk[c0:c0+C], vv[c0:c0+C], dd[c0:c0+C]
-                St = St - kc.T @ vc  # the state before this chunk
-                out[c0:c0+C] = torch.tril(dc @ vc.T) @ kc + dc @ St.T
-        return out
+    if dist == "positive":  # every term adds with the same sign: the state grows as L, not sqrt(L)
+        k, v = k.abs(), v.abs()
+    return k, v, torch.randn(L, M).bfloat16().double()
 
-    r = ref()
-    rel = lambda x: ((x.double() - r).norm() / r.norm()).item()
-    # worst chunk's relative error (the early chunks are where downdating loses most)
-    def worst(x):
-        e = 0.0
-        for c0 in range(0, L, C):
-            d = (x[c0:c0+C].double() - r[c0:c0+C]).norm() / r[c0:c0+C].norm()
-            e = max(e, d.item())
-        return e
-    f, d = forward_walk(), downdate_walk()
-    bf = r.bfloat16().double()
-    print(f"L={L} E={E} M={M} seg={seg} {dist:8s}: forward walk {rel(f):.2e} (worst chunk {worst(f):.2e}); "
-          f"downdate {rel(d):.2e} (worst chunk {worst(d):.2e}); bf16 rounding of the result {rel(bf):.2e}")
+
+def reference(k, v, do):
+    L, E = k.shape
+    out, S = torch.empty(L, E, dtype=torch.float64), torch.zeros(v.shape[1], E, dtype=torch.float64)
+    for c0 in range(0, L, C):
+        kc, vc, dc = k[c0:c0 + C], v[c0:c0 + C], do[c0:c0 + C]
+        out[c0:c0 + C] = torch.tril(dc @ vc.T) @ kc + dc @ S
+        S = S + vc.T @ kc
+    return out
+
+
+def errors(x, ref):
+    whole = ((x.double() - ref).norm() / ref.norm()).item()
+    worst = max(((x[c:c + C].double() - ref[c:c + C]).norm() / ref[c:c + C].norm()).item()
+                for c in range(0, len(ref), C))
+    return f"{whole:.2e} (worst chunk {worst:.2e})"
+
+
+def run(L, E, seg, dist):
+    k, v, do = inputs(L, E, E, dist)
+    ref = reference(k, v, do)
+    kk, vv, dd = k.float(), v.float(), do.float()
+    chunks = list(range(0, L, C))
+    # today's dq pass: the forward walk; ends: the state at each segment's end, as the forward keeps
+    exact_fwd, rounded_fwd, S, ends = torch.empty(L, E), torch.empty(L, E), torch.zeros(E, E), []
+    for c0 in chunks:
+        kc, vc, dc = kk[c0:c0 + C], vv[c0:c0 + C], dd[c0:c0 + C]
+        P = torch.tril(dc @ vc.T)
+        exact_fwd[c0:c0 + C] = P @ kc + dc @ S
+        rounded_fwd[c0:c0 + C] = bf(P) @ kc + dc @ bf(S)
+        S = S + vc.T @ kc
+        if (c0 + C) % seg == 0 or c0 + C >= L:
+            ends.append(S.clone())
+    exact_rev, rounded_rev = torch.empty(L, E), torch.empty(L, E)
+    for si, s0 in enumerate(range(0, L, seg)):
+        S, T = ends[si].clone(), -ends[si]
+        for c0 in reversed(range(s0, min(s0 + seg, L), C)):
+            kc, vc, dc = kk[c0:c0 + C], vv[c0:c0 + C], dd[c0:c0 + C]
+            S = S - vc.T @ kc  # 1: the state before the chunk, taken down
+            exact_rev[c0:c0 + C] = torch.tril(dc @ vc.T) @ kc + dc @ S
+            rounded_rev[c0:c0 + C] = -(dc @ bf(T) + bf(torch.triu(dc @ vc.T, diagonal=1)) @ kc)  # 2
+            T = T + vc.T @ kc
+    print(f"L={L} E=M={E} segment {seg} {dist}:\n"
+          f"  float32 states: built up {errors(exact_fwd, ref)}, taken down {errors(exact_rev, ref)}\n"
+          f"  kernels' roundings: today's dq {errors(rounded_fwd, ref)}, reverse {errors(rounded_rev, ref)}; "
+          f"dq rounded to bfloat16 {errors(ref.bfloat16(), ref)}")
+
+
 for L, E, seg in ((2048, 64, 2048), (8192, 64, 2048), (8192, 64, 8192), (32768, 128, 4096), (32768, 128, 32768)):
     for dist in ("normal", "positive"):
-        run(L, E, E, 64, seg, dist)
+        run(L, E, seg, dist)
