@@ -4,8 +4,9 @@
 #   1. the float32 master of the state taken down from the segment's end, S(c) = S(c + 1) - v_c^T k_c,
 #      beside today's forward walk (S built up);
 #   2. the pass as a kernel would run it, T = -S(c + 1) from -S(end) and -dq_c = dO_c T + U(P) k_c
-#      (P = dO_c v_c^T, U keeping s > t), with the kernels' roundings (the state's bfloat16 copy in
-#      dO T, the scores rounded to bfloat16), beside today's dq pass rounded the same way.
+#      (P = dO_c v_c^T, U keeping s > t), with the bfloat16 kernels' roundings (the state's copy in
+#      dO T as two bfloat16 parts, the scores rounded to bfloat16), beside today's dq pass rounded
+#      the same way.
 # python benchmarks/experiments/downdate_dq.py
 import torch
 
@@ -15,6 +16,10 @@ C = 64
 
 def bf(x):
     return x.to(torch.bfloat16).to(torch.float32)
+
+
+def copy(x):  # the bfloat16 kernels' state copy: a head and the remainder's head (StateCopy)
+    return bf(x) + bf(x - bf(x))
 
 
 def inputs(L, E, M, dist):
@@ -53,7 +58,7 @@ def run(L, E, seg, dist):
         kc, vc, dc = kk[c0:c0 + C], vv[c0:c0 + C], dd[c0:c0 + C]
         P = torch.tril(dc @ vc.T)
         exact_fwd[c0:c0 + C] = P @ kc + dc @ S
-        rounded_fwd[c0:c0 + C] = bf(P) @ kc + dc @ bf(S)
+        rounded_fwd[c0:c0 + C] = bf(P) @ kc + dc @ copy(S)
         S = S + vc.T @ kc
         if (c0 + C) % seg == 0 or c0 + C >= L:
             ends.append(S.clone())
@@ -64,7 +69,7 @@ def run(L, E, seg, dist):
             kc, vc, dc = kk[c0:c0 + C], vv[c0:c0 + C], dd[c0:c0 + C]
             S = S - vc.T @ kc  # 1: the state before the chunk, taken down
             exact_rev[c0:c0 + C] = torch.tril(dc @ vc.T) @ kc + dc @ S
-            rounded_rev[c0:c0 + C] = -(dc @ bf(T) + bf(torch.triu(dc @ vc.T, diagonal=1)) @ kc)  # 2
+            rounded_rev[c0:c0 + C] = -(dc @ copy(T) + bf(torch.triu(dc @ vc.T, diagonal=1)) @ kc)  # 2
             T = T + vc.T @ kc
     print(f"L={L} E=M={E} segment {seg} {dist}:\n"
           f"  float32 states: built up {errors(exact_fwd, ref)}, taken down {errors(exact_rev, ref)}\n"
