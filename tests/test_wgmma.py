@@ -905,6 +905,8 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
     above 128 in 64-row tiles (three or four) it is not on them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    split = str(not allow_tf32).lower()  # (the kernels' kSplit: heads and tails unless TF32 is allowed)
+
     def parts(D):
         return "1" if D <= 64 else "2"
 
@@ -914,13 +916,12 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
         with cuda_kernels_launched() as names:
             out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         launched = [tf32_arguments(n) for n in names if "wgmma_tf32_product_kernel" in n]
-        assert {tuple(a) for a in launched} == {("0", str(not allow_tf32).lower(), parts(E), "true")}, (E, M, names)
+        assert {tuple(a) for a in launched} == {("0", split, parts(E), "true")}, (E, M, names)
         assert any("scan_segments" in n for n in names), (E, M, names)
         assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
         with cuda_kernels_launched() as names:
             torch.autograd.grad(out.sum(), (q, k, v))
         launched = {tuple(tf32_arguments(n)) for n in names if "wgmma_tf32_product_kernel" in n}
-        split = str(not allow_tf32).lower()
         # dq's and dk's Da is M; dv's Da is E (its Dc M)
         backward = {("1", split, parts(M), "true"), ("2", split, parts(M), "true"), ("3", split, parts(E), "true")}
         assert launched == backward, (E, M, names)
@@ -933,7 +934,7 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
             fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         if on:
             launched = {tuple(tf32_arguments(n)) for n in names if "wgmma_tf32_product_kernel" in n}
-            assert launched == {("0", str(not allow_tf32).lower(), on, "true")}, (E, rows, names)
+            assert launched == {("0", split, on, "true")}, (E, rows, names)
             assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
         else:
             assert not any("wgmma" in n for n in names), (E, rows, names)
