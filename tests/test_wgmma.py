@@ -900,7 +900,8 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
     blocks of 128), heads and tails or the heads alone where the user allowed TF32, in segments
     through the state-only launch and the scan, and on no mma.sync kernel; so do dq and dk (their
     extra row, in row tile 0 alone above one) and dv beside dk (as two reverse passes), the
-    backward on no mma.sync or recurrent kernel. Above 128 the forward runs in two row tiles (den's parts summed,
+    backward on no mma.sync or recurrent kernel, dO . O made by dq where E and M are up to 64 (else
+    by backward_prepare_kernel). Above 128 the forward runs in two row tiles (den's parts summed,
     the outputs divided after the pass), and so at 128 with FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64;
     above 128 in 64-row tiles (three or four) it is not on them."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow_tf32)
@@ -926,6 +927,9 @@ def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypat
         backward = {("1", split, parts(M), "true"), ("2", split, parts(M), "true"), ("3", split, parts(E), "true")}
         assert launched == backward, (E, M, names)
         assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
+        # dO . O made by dq's producer where dq runs at one part (M up to 64) in one column tile (E
+        # up to 64), else by backward_prepare_kernel before it
+        assert any("backward_prepare" in n for n in names) != (E <= 64 and M <= 64), (E, M, names)
     for E, rows, on in ((256, None, "2"), (160, None, "2"), (128, "64", "1"), (256, "64", None), (160, "64", None)):
         if rows:
             monkeypatch.setenv("FAST_CAUSAL_ATTN_ROW_TILE_ROWS", rows)

@@ -204,9 +204,9 @@ void launch_backward_cuda(const BackwardParams& params) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
     dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
     p.dout_dot_out = dout_dot_out.data_ptr();
-    // made by the dq pass where it can (its kernel's producer reads O beside the dO it stages),
-    // else here, before it
-    p.dots_in_grad_q = grad_q_pass_makes_dots(p);
+    // made by the dq pass where it can (O read beside the dO it stages, 16 bytes at a time: O's
+    // rows whole vectors at 16-byte boundaries), else here, before it
+    p.dots_in_grad_q = grad_q_pass_makes_dots(p) && vector_rows(p, int64_t(c10::elementSize(p.dtype)));
     if (!p.dots_in_grad_q) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
                                       [&] { launch_backward_prepare<scalar_t>(p, stream); });

@@ -172,22 +172,28 @@ ForwardSegments run_pass(const KernelParams& params, cudaStream_t stream) {
 }
 
 // Whether the normalized dq pass makes dO . O itself (KernelParams::dots_in_grad_q, launch_backward_cuda):
-// where it runs on the 16-bit wgmma kernel (as run_pass sends it) at up to two atoms (M <= 128;
-// wgmma_product_kernel's kMakesDots) in one column tile (E <= 64, or <= 128 on two warpgroups),
-// so that each row's dot is made once: with more tiles each would read O again, where
-// backward_prepare_kernel reads dO and O once for all.
+// where it runs on the wgmma kernels (as run_pass sends it) in one column tile (E <= 64, or <= 128
+// on two 16-bit warpgroups), so that each row's dot is made once (with more tiles each would read
+// O again, where backward_prepare_kernel reads dO and O once for all), with all of dO's columns in
+// a block: 16-bit at up to two atoms (M <= 128; wgmma_product_kernel's kMakesDots), float32 at one
+// part (M <= 64; wgmma_tf32_product_kernel's kMakesDots).
 template <typename scalar_t>
 bool grad_q_makes_dots(const KernelParams& params) {
-  if constexpr (!kWgmmaInput<scalar_t>) {
+  if constexpr (!kWgmmaInput<scalar_t> && !std::is_same_v<scalar_t, float>) {
     (void)params;
     return false;
   } else {
     const KernelParams p = with_state_io<Pass::GradQ>(params);
     const int64_t Da = p.M, Dc = p.E;  // (run_pass's, dq's a is dO)
-    return p.normalize && on_tensor_cores<Pass::GradQ, scalar_t>(p, Da, Dc) &&
-           on_wgmma<Pass::GradQ, scalar_t>(p, Da, Dc) &&
-           wgmma_pass_layout<Pass::GradQ, scalar_t>(Da, Dc, true).atoms <= 2 &&
-           wgmma_column_tiles<Pass::GradQ, scalar_t>(Da, Dc, true) == 1;
+    if (!(p.normalize && on_tensor_cores<Pass::GradQ, scalar_t>(p, Da, Dc) && on_wgmma<Pass::GradQ, scalar_t>(p, Da, Dc) &&
+          wgmma_column_tiles<Pass::GradQ, scalar_t>(Da, Dc, true) == 1)) {
+      return false;
+    }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      return Da <= wgmma::C;
+    } else {
+      return wgmma_pass_layout<Pass::GradQ, scalar_t>(Da, Dc, true).atoms <= 2;
+    }
   }
 }
 

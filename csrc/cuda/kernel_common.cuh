@@ -30,7 +30,7 @@ enum class Pass { Forward, GradQ, GradK, GradV, GradKV };
 struct KernelParams : BackwardParams {
   // dO[t] . O[t] when normalize (the normalizer's gradient is -dout_dot_out[t] / den[t]): made by
   // backward_prepare_kernel before the dq pass, or by the dq pass itself where dots_in_grad_q (the
-  // 16-bit wgmma kernel in one column tile: its producer reads O beside its staged dO), read by
+  // wgmma kernels in one column tile: their producers read O beside the dO they stage), read by
   // the dk pass after it.
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
   bool dots_in_grad_q = false;

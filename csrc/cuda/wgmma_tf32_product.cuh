@@ -507,6 +507,20 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   const bool later_tile_launch = p.row_tile > 0;  // a later tile's launch of its own (programmatic)
   const int64_t chunks = work.chunk_count(C);
   const bool state_only = work.state_only;
+  // (dq) dO[t] . O[t] made by this pass (KernelParams::dots_in_grad_q: one part, one column tile,
+  // so that each row's dot is made once) into dout_dot_out, which the consumers read for the extra
+  // row as they would backward_prepare_kernel's and the dk pass reads after this one. The producer
+  // makes them, a chunk at a time right after issuing its copies, from dO's and O's rows in global
+  // memory (dO's lines on their way to the L2 for those copies), and announces them on the slot's
+  // full barrier: its loads wait there, a ring's depth ahead of the consumers, where in the
+  // consumers the same loads sat on the pass's chain (dq 0.1305 -> 0.1945 ms at 8,16,2048,64; H100,
+  // RESULTS.md, sixtieth session).
+  constexpr bool kMakesDots = kExtraRow && !kReverse && kParts == 1;
+  const bool makes_dots = kMakesDots && p.dots_in_grad_q && !state_only;
+  // (makes_dots) the sequence's rows of O: one pointer held across the warpgroups' split, as the
+  // operands' are (its batch, head and start held there instead spilled; offline, ptxas -v)
+  const float* const o_rows =
+      makes_dots ? static_cast<const float*>(p.o.ptr) + p.o.offset(work.seq.b, work.seq.h, work.seq.begin) : nullptr;
   auto chunk_begin = [&](int64_t it) { return work.chunk_begin(it, chunks, C); };  // chunk it's first step
   const int group = wgmma::warpgroup(), tid = int(threadIdx.x) % kThreads;
   auto hand_off = [&](int consumer) { return base + uint32_t(L::kHandOffs) + uint32_t(consumer) * 8u; };
@@ -520,7 +534,9 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
   if (threadIdx.x == 0) {
     for (int j = 0; j < kConsumers; ++j) mbarrier_init(hand_off(j), kThreads);
     for (uint32_t s = 0; s < uint32_t(L::kRing); ++s) {
-      mbarrier_init(full(s), kThreads);   // the producer's threads, once their copies have landed
+      // the producer's threads, once their copies have landed (and where it makes the dots, once
+      // more after storing them)
+      mbarrier_init(full(s), makes_dots ? 2 * kThreads : kThreads);
       mbarrier_init(empty(s), kThreads);  // the consumer's threads, once its products have run
     }
   }
@@ -543,6 +559,56 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
       b_src[j] = stage.source(ops.b_rows(), first, Da, work.k0 + C * j);
     }
     Source c_src = stage.source(ops.c_rows(), first, Dc, work.m0);
+    // (makes_dots) chunk it's dots, made right after its copies are issued: this thread's 16-byte
+    // pieces of rows row0 + 8 i of dO (A's, a_src just stepped past them) and of O (o_src), the
+    // sixteen lanes of a row summed by shuffles, the first storing (rows past the chunk: none;
+    // columns past M: zeros); then the next chunk's O lines prefetched to the L2, so that its
+    // rounds wait on the L2 rather than DRAM. kRowsAtOnce rows a round, their loads at once, and
+    // the pointers stepped as the copies' Sources are: within the producer's 56 registers (four
+    // rows a round spilled 48-112 bytes; offline, ptxas -v).
+    Source o_src{};
+    float* dots_to = nullptr;  // dout_dot_out at the chunk's row row0
+    if constexpr (kMakesDots) {
+      if (makes_dots) {
+        o_src = stage.source(decltype(ops.a_rows()){o_rows, p.o.stride_l}, first, Da);
+        dots_to = const_cast<float*>(ops.dout_dot_out) + first + stage.row0;  // (the pass's own output here)
+      }
+    }
+    auto make_dots = [&](int64_t it, int n) {
+      if constexpr (kMakesDots) {
+        constexpr int kRowsAtOnce = 2;
+        const float* const dout = a_src[0].next - 8 * a_src[0].piece_step;
+#pragma unroll 1
+        for (int round = 0; round < 8 / kRowsAtOnce; ++round) {
+          float4 x[kRowsAtOnce], y[kRowsAtOnce];
+#pragma unroll
+          for (int i = 0; i < kRowsAtOnce; ++i) {
+            const int piece = kRowsAtOnce * round + i;
+            const bool valid = a_src[0].inside && stage.row0 + 8 * piece < n;
+            const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+            x[i] = valid ? __ldg(reinterpret_cast<const float4*>(dout + piece * a_src[0].piece_step)) : zero;
+            y[i] = valid ? __ldg(reinterpret_cast<const float4*>(o_src.next + piece * o_src.piece_step)) : zero;
+          }
+#pragma unroll
+          for (int i = 0; i < kRowsAtOnce; ++i) {
+            float dot = fmaf(x[i].w, y[i].w, fmaf(x[i].z, y[i].z, fmaf(x[i].y, y[i].y, x[i].x * y[i].x)));
+#pragma unroll
+            for (int lanes = 8; lanes >= 1; lanes /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, lanes);
+            const int piece = kRowsAtOnce * round + i;
+            if (stage.col == 0 && stage.row0 + 8 * piece < n) dots_to[8 * piece] = dot;
+          }
+        }
+        o_src.next += 8 * o_src.piece_step;
+        dots_to += C;
+        if (it + 1 < chunks && a_src[0].inside && stage.col % 32 == 0) {  // a 128-byte line once
+          const int next_n = work.chunk_len(chunk_begin(it + 1), C);
+#pragma unroll
+          for (int piece = 0; piece < 8; ++piece) {
+            if (stage.row0 + 8 * piece < next_n) prefetch_l2(o_src.next + piece * o_src.piece_step);
+          }
+        }
+      }
+    };
     auto produce = [&](auto ring) {
       using R = decltype(ring);
       for (int64_t it = 0; it < chunks; ++it) {
@@ -557,6 +623,10 @@ __global__ void __launch_bounds__((wgmma_tf32::kConsumers + 1) * wgmma_tf32::kTh
         }
         stage.operator()<kReverse>(slot + L::kCc, c_src, ops.c_rows().ptr, n);
         mbarrier_arrive_on_copies(full(R::index(it)));
+        if (makes_dots) {  // (a release of the dots' stores to the consumers, whose wait acquires them)
+          make_dots(it, n);
+          mbarrier_arrive(full(R::index(it)));
+        }
       }
     };
     if (deep_ring) {
