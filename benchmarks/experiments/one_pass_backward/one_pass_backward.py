@@ -1,0 +1,149 @@
+"""The one-pass 16-bit backward prototype (one_pass_backward.cu) checked and timed on an sm_90a GPU.
+
+JIT-builds the prototype alone (sm_90a, the library's headers), checks dq, dk and dv against
+float64 beside the library's own backward on the same inputs (q, k ~ N(0, 1/E), v, dO ~ N(0, 1)),
+then times both: the device time of a call (every kernel summed, torch's profiler) and the do_bench
+median, with the HBM floor (q, k, v, dO read, dq, dk, dv written) at the copy bandwidth measured in
+the same run. The prototype runs one block a (batch, head) pair, the whole sequence in one segment:
+it is the library's shape of work only where the pairs fill the multiprocessors (8,16,2048,64: 128
+pairs), so the timed shapes say where the design pays before it takes segments.
+
+    python benchmarks/experiments/one_pass_backward/one_pass_backward.py [--time-only | --small]
+
+--small: the first three checks alone, no timing (for compute-sanitizer: memcheck, racecheck, synccheck).
+
+Exits 1 when any check fails (the prototype's error above 1.1x the library's plus 1e-4).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import fast_causal_attn  # noqa: E402,F401  (registers torch.ops.fast_causal_attn)
+from benchmark import copy_bandwidth, kernel_breakdown  # noqa: E402
+
+
+def build():
+    from torch.utils.cpp_extension import load
+
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"
+    return load("one_pass_backward", [os.path.join(HERE, "one_pass_backward.cu")],
+                extra_include_paths=[os.path.join(ROOT, "csrc", "cuda"), os.path.join(ROOT, "csrc")],
+                extra_cuda_cflags=["-O3", "-lineinfo", "-DFAST_CAUSAL_ATTN_WITH_CUDA", "-DFAST_CAUSAL_ATTN_SM90A"],
+                verbose=False)
+
+
+def inputs(B, H, L, E, M, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, L, E, generator=g) / E**0.5
+    k = torch.randn(B, H, L, E, generator=g) / E**0.5
+    v = torch.randn(B, H, L, M, generator=g)
+    dout = torch.randn(B, H, L, M, generator=g)
+    return [x.to("cuda", dtype) for x in (q, k, v, dout)]
+
+
+def forward(q, k, v, scale):
+    """The library's forward with its final state (float32 [B, H, E, M]) and kept segment starts."""
+    out, _, final_kv, _, segment_kv, _ = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, scale, False,
+                                                                           1e-6, "bhld", True, True)
+    return out, final_kv, segment_kv
+
+
+def library_backward(q, k, v, dout, scale, segment_kv):
+    return torch.ops.fast_causal_attn.backward(dout, None, None, q, k, v, None, None, None, None, None, scale, False,
+                                               "bhld", segment_kv, None)[:3]
+
+
+def exact_grads(q, k, v, dout, scale, pairs):
+    """float64 dq, dk, dv of the first `pairs` (batch, head) pairs, [pairs, L, E or M]."""
+    grads = [[], [], []]
+    for i in range(pairs):
+        qd, kd, vd, dd = (x.flatten(0, 1)[i].double() for x in (q, k, v, dout))
+        scores = (qd @ kd.T).tril() * scale  # row t, column s <= t
+        dscores = (dd @ vd.T).tril() * scale
+        for out, x in zip(grads, (dscores @ kd, dscores.T @ qd, scores.T @ dd)):
+            out.append(x)
+    return [torch.stack(x) for x in grads]
+
+
+def relative_error(x, exact):
+    x = x.double()
+    return ((x - exact).norm() / exact.norm()).item()
+
+
+CHECKS = [  # B, H, L, E, M, scale, pairs checked against float64
+    (1, 1, 64, 64, 64, 1.0, 1),
+    (2, 3, 150, 64, 64, 1.0, 6),  # a partial last chunk (22 rows)
+    (1, 2, 1000, 64, 64, 0.125, 2),
+    (2, 2, 4100, 64, 64, 1.0, 4),
+    (1, 2, 300, 64, 32, 1.0, 2),
+    (1, 2, 300, 32, 64, 1.0, 2),
+    (1, 2, 333, 16, 16, 1.0, 2),
+    (8, 16, 2048, 64, 64, 1.0, 4),
+    (1, 2, 16384, 64, 64, 1.0, 2),  # the state taken down over 256 chunks
+]
+TIMED = [(8, 16, 2048, 64, 64), (16, 16, 2048, 64, 64), (8, 16, 4096, 64, 64), (4, 16, 8192, 64, 64)]
+
+
+def check(module, checks):
+    failed = 0
+    for dtype in (torch.bfloat16, torch.float16):
+        for B, H, L, E, M, scale, pairs in checks:
+            q, k, v, dout = inputs(B, H, L, E, M, dtype)
+            _, final_kv, segment_kv = forward(q, k, v, scale)
+            ours = module.one_pass_backward(q, k, v, dout, final_kv.contiguous(), scale)
+            library = library_backward(q, k, v, dout, scale, segment_kv)
+            torch.cuda.synchronize()
+            exact = exact_grads(q, k, v, dout, scale, pairs)
+            line = []
+            for name, o, lib, x in zip(("dq", "dk", "dv"), ours, library, exact):
+                err_o = relative_error(o.flatten(0, 1)[:pairs], x)
+                err_l = relative_error(lib.flatten(0, 1)[:pairs], x)
+                ok = err_o <= 1.1 * err_l + 1e-4
+                failed += not ok
+                line.append(f"{name} {err_o:.2e} (library {err_l:.2e}){'' if ok else ' FAIL'}")
+            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} scale {scale}: " + "; ".join(line), flush=True)
+    return failed
+
+
+def time_shapes(module):
+    import triton.testing
+
+    bandwidth = copy_bandwidth("cuda")
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s; ms: device time a call (do_bench median), x floor")
+    for dtype in (torch.bfloat16, torch.float16):
+        for B, H, L, E, M in TIMED:
+            q, k, v, dout = inputs(B, H, L, E, M, dtype)
+            _, final_kv, segment_kv = forward(q, k, v, 1.0)
+            final_kv = final_kv.contiguous()
+            floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
+            runs = {"one pass": lambda: module.one_pass_backward(q, k, v, dout, final_kv, 1.0),
+                    "library": lambda: library_backward(q, k, v, dout, 1.0, segment_kv)}
+            cells = []
+            for name, fn in runs.items():
+                device_ms, parts = kernel_breakdown(fn)
+                bench = triton.testing.do_bench(fn, warmup=25, rep=200)
+                kernels = ", ".join(f"{ms:.4f} {n.split('<')[0].split('(')[0][-28:]}" for ms, _, n in parts[:3])
+                cells.append(f"{name} {device_ms:.4f} ({bench:.4f}) {device_ms / floor:.2f}x [{kernels}]")
+            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} floor {floor:.4f}: " + " | ".join(cells), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--time-only", action="store_true")
+    parser.add_argument("--small", action="store_true")
+    args = parser.parse_args()
+    module = build()
+    failed = 0 if args.time_only else check(module, CHECKS[:3] if args.small else CHECKS)
+    if not args.small:
+        time_shapes(module)
+    print(f"\n{failed} check(s) failed" if failed else "\nall checks passed")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
