@@ -2,7 +2,8 @@
 
 JIT-builds the prototype alone (sm_90a, the library's headers), checks dq, dk and dv against
 float64 beside the library's own backward on the same inputs (q, k ~ N(0, 1/E), v, dO ~ N(0, 1)),
-then times both: the device time of a call (every kernel summed, torch's profiler) and the do_bench
+then times both (and the library's forward with and without its final state, which the one pass
+would need kept): the device time of a call (every kernel summed, torch's profiler) and the do_bench
 median, with the HBM floor (q, k, v, dO read, dq, dk, dv written) at the copy bandwidth measured in
 the same run. The prototype runs one block a (batch, head) pair, the whole sequence in one segment:
 it is the library's shape of work only where the pairs fill the multiprocessors (8,16,2048,64: 128
@@ -121,8 +122,13 @@ def time_shapes(module):
             _, final_kv, segment_kv = forward(q, k, v, 1.0)
             final_kv = final_kv.contiguous()
             floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
+            # the forward as autograd runs it now (segment starts kept), and with the final state
+            # too, which the one pass would need kept
             runs = {"one pass": lambda: module.one_pass_backward(q, k, v, dout, final_kv, 1.0),
-                    "library": lambda: library_backward(q, k, v, dout, 1.0, segment_kv)}
+                    "library": lambda: library_backward(q, k, v, dout, 1.0, segment_kv),
+                    "forward": lambda: torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6,
+                                                                          "bhld", False, True),
+                    "forward + final state": lambda: forward(q, k, v, 1.0)}
             cells = []
             for name, fn in runs.items():
                 device_ms, parts = kernel_breakdown(fn)
