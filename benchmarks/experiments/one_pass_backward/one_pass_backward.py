@@ -121,7 +121,9 @@ def time_shapes(module):
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
             _, final_kv, segment_kv = forward(q, k, v, 1.0)
             final_kv = final_kv.contiguous()
+            # the floors: the backward reads q, k, v, dO and writes dq, dk, dv; the forward reads q, k, v, writes o
             floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
+            forward_floor = B * H * L * (2 * E + 2 * M) * q.element_size() / bandwidth * 1e3
             # the forward as autograd runs it now (segment starts kept), and with the final state
             # too, which the one pass would need kept
             runs = {"one pass": lambda: module.one_pass_backward(q, k, v, dout, final_kv, 1.0),
@@ -134,8 +136,10 @@ def time_shapes(module):
                 device_ms, parts = kernel_breakdown(fn)
                 bench = triton.testing.do_bench(fn, warmup=25, rep=200)
                 kernels = ", ".join(f"{ms:.4f} {n.split('<')[0].split('(')[0][-28:]}" for ms, _, n in parts[:3])
-                cells.append(f"{name} {device_ms:.4f} ({bench:.4f}) {device_ms / floor:.2f}x [{kernels}]")
-            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} floor {floor:.4f}: " + " | ".join(cells), flush=True)
+                x = device_ms / (forward_floor if name.startswith("forward") else floor)
+                cells.append(f"{name} {device_ms:.4f} ({bench:.4f}) {x:.2f}x [{kernels}]")
+            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} floors fwd {forward_floor:.4f} bwd {floor:.4f}:\n  "
+                  + "\n  ".join(cells), flush=True)
 
 
 def main():
