@@ -60,6 +60,18 @@ __device__ __forceinline__ void strict_upper_fragments_of(uint32_t (&a)[4][4], c
       a[s][r] = dropped ? 0u : pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
     }
 }
+// The ring's wait and release for the two consumer warpgroups, whose code differs: bar.sync and
+// bar.arrive are .aligned (every thread at the barrier on the same instruction), which a barrier
+// shared by two code paths breaks (synccheck: "Divergent thread(s) in block"); barrier.sync and
+// barrier.arrive without .aligned allow it.
+__device__ __forceinline__ void consumer_wait(const ProducedRing<kStages>& ring) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(ring.full0 + ring.slot), "r"(ring.threads) : "memory");
+}
+__device__ __forceinline__ void consumer_release(const ProducedRing<kStages>& ring, int64_t it, int64_t chunks) {
+  if (it + kStages < chunks) {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(ring.full0 + kStages + ring.slot), "r"(ring.threads) : "memory");
+  }
+}
 // d += U(score) X in one committed group, X a staged tile (K = time along its rows)
 template <bool kHalf>
 __device__ __forceinline__ void add_strict_upper_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
@@ -142,7 +154,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
     scalar_t* const dv = p.dv + pair * L * M;
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       fence_shared_writes();  // the state's copy, made at the end of the chunk before
-      ring.wait();
+      consumer_wait(ring);
       const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
                      dt = tile_of(ring.slot, 3);
       const int64_t t0 = chunk_begin(it);
@@ -175,13 +187,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
         copy.scale_back(acc);
         add_masked_times<kHalf, true>(acc, score, qt);
         wait<0>();
-        ring.release(it, chunks);
+        consumer_release(ring, it, chunks);
         copy.post_max(copy.rows(d));
       }
       store_rows<kHalf>(acc, factor, staging, dk + t0 * E, E, n, E);
       if constexpr (!kHalf) {
         wait<0>();
-        ring.release(it, chunks);
+        consumer_release(ring, it, chunks);
       }
       group_sync();  // every warp's wgmma has read the state copy
       copy.publish(copy.rows(d));
@@ -207,7 +219,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
     scalar_t* const dq = p.dq + pair * L * E;
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       fence_shared_writes();  // T's copy, made at the end of the chunk before
-      ring.wait();
+      consumer_wait(ring);
       const uint32_t kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2), dt = tile_of(ring.slot, 3);
       const int64_t t0 = chunk_begin(it);
       const int n = chunk_len(t0);
@@ -228,13 +240,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
         copy.scale_back(acc);
         add_strict_upper_times<kHalf>(acc, score, kt);
         wait<0>();
-        ring.release(it, chunks);
+        consumer_release(ring, it, chunks);
         copy.post_max(copy.rows(t));
       }
       store_rows<kHalf>(acc, -factor, staging, dq + t0 * E, E, n, E);
       if constexpr (!kHalf) {
         wait<0>();
-        ring.release(it, chunks);
+        consumer_release(ring, it, chunks);
       }
       group_sync();  // every warp's wgmma has read T's copy
       copy.publish(copy.rows(t));
