@@ -1,5 +1,6 @@
 // Prototype (benchmarks/experiments README, "dq beside dk and dv in one reverse pass"): the 16-bit
-// backward at E, M <= 64 in one reverse pass over the sequence, one block a (batch, head) pair.
+// backward at E, M <= 64 in one reverse pass, one block a (batch, head) pair and time segment
+// (each segment's starts given: D's and T's, at the segment's end).
 // wgmma_grad_kv_kernel's producer and dk-with-dv consumer, and a second consumer warpgroup that
 // makes dq on the same staged chunks from the state taken down from the sequence's end:
 //
@@ -27,8 +28,14 @@ template <typename scalar_t>
 struct Params {
   const scalar_t *q, *k, *v, *dout;
   scalar_t *dq, *dk, *dv;
-  const float* kv_end;  // [pairs, E, M]: sum over the whole sequence of k^T v (the forward's final state)
+  // [pairs, segments, E, M]: the state at each segment's end (the sum of k^T v up to it; one
+  // segment: the forward's final state)
+  const float* kv_end;
+  // [pairs, segments, M, E]: D at each segment's end, the sum of dO^T q over the segments after it
+  // (nullptr: zeros; one segment)
+  const float* d_end;
   int64_t L, E, M;
+  int64_t segments, segment_len;  // time segments of segment_len steps (a multiple of C), one block each
   float scale;
 };
 
@@ -97,8 +104,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
-  const int64_t pair = blockIdx.x, L = p.L, E = p.E, M = p.M;
-  const int64_t chunks = (L + C - 1) / C;
+  const int64_t pair = blockIdx.x / p.segments, segment = blockIdx.x % p.segments, L = p.L, E = p.E, M = p.M;
+  const int64_t seg_begin = segment * p.segment_len;
+  const int64_t seg_end = seg_begin + p.segment_len < L ? seg_begin + p.segment_len : L;
+  const int64_t chunks = (seg_end - seg_begin + C - 1) / C;
   unsigned char* const after_copies = wgmma_smem + (kStages * 4 + 2 * kCopyTiles) * kTile;
   float* const warp_max = reinterpret_cast<float*>(after_copies + 2 * kStagingBytes);
   const int group = warpgroup();
@@ -106,7 +115,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
   constexpr int kKvGroup = 1, kQGroup = 2, kFull = 3;
   static_assert(kFull + 2 * kStages <= 16, "named barriers");
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
-  auto chunk_begin = [&](int64_t it) { return (chunks - 1 - it) * C; };  // it = 0: the last chunk
+  auto chunk_begin = [&](int64_t it) { return seg_begin + (chunks - 1 - it) * C; };  // it = 0: the last chunk
   auto chunk_len = [&](int64_t t0) { return int(L - t0 < C ? L - t0 : C); };
   const scalar_t* const q = p.q + pair * L * E;
   const scalar_t* const k = p.k + pair * L * E;
@@ -120,7 +129,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
   if (group == 1) {  // the producer: q, k, v, dO of each chunk, from the last back to the first
     registers_down_to<kProducerRegisters>();
     const Stager stage(int(threadIdx.x % kThreads));
-    const int64_t last = (chunks - 1) * C;
+    const int64_t last = seg_begin + (chunks - 1) * C;
     Source q_src = stage.source(Rows<scalar_t>{q, E}, last, E), k_src = stage.source(Rows<scalar_t>{k, E}, last, E),
            v_src = stage.source(Rows<scalar_t>{v, M}, last, M), dout_src = stage.source(Rows<scalar_t>{dout, M}, last, M);
     ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, [&](int64_t it, int slot) {
@@ -140,15 +149,24 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
   ProducedRing<kStages> ring(kFull, kBlockThreads);
 
   if (group == 0) {
-    // dk and dv (wgmma_grad_kv_kernel's consumer, one segment, no normalizer): D = sum over the
-    // chunks after this one of dO^T q (M x E), from zeros
+    // dk and dv (wgmma_grad_kv_kernel's consumer, no normalizer): D = sum over the
+    // chunks after this one of dO^T q (M x E), from the segment's end (d_end, or zeros)
     //   dv = K D^T + mask(K Q^T) dO,  dk = V D + mask(V dO^T) Q  (each times scale),  D += dO^T Q
     uint16_t* const staging = reinterpret_cast<uint16_t*>(after_copies);
     StateCopy<kHalf> copy{base + kStages * 4 * kTile, warp_max};
     auto group_sync = [] { named_sync(kKvGroup, kThreads); };
     float d[32];
+    {  // D from the segment's end: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1)
+      const float* const end = p.d_end != nullptr ? p.d_end + (pair * p.segments + segment) * M * E : nullptr;
+      const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
-    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+          d[4 * j + e] = end != nullptr && row < M && column < E ? end[row * E + column] : 0.f;
+        }
+    }
     copy.publish_first(copy.rows(d), group_sync);
     scalar_t* const dk = p.dk + pair * L * E;
     scalar_t* const dv = p.dv + pair * L * M;
@@ -205,7 +223,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
     auto group_sync = [] { named_sync(kQGroup, kThreads); };
     float t[32];
     {
-      const float* const end = p.kv_end + pair * E * M;
+      const float* const end = p.kv_end + (pair * p.segments + segment) * E * M;
       const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
@@ -262,9 +280,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
 }  // namespace fast_causal_attn
 
 // (dq, dk, dv) of causal linear attention from q, k, v, dO ([B, H, L, E or M], contiguous, bf16 or
-// fp16, E and M multiples of 8 up to 64) and the forward's final state kv_end ([B, H, E, M] float32)
+// fp16, E and M multiples of 8 up to 64), in `segments` time segments of segment_len steps: the
+// state at each segment's end, kv_end ([B, H, segments, E, M] float32; one segment: the forward's
+// final state), and D at each segment's end, d_end ([B, H, segments, M, E] float32, or empty: zeros)
 std::vector<at::Tensor> one_pass_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                          const at::Tensor& dout, const at::Tensor& kv_end, double scale) {
+                                          const at::Tensor& dout, const at::Tensor& kv_end, const at::Tensor& d_end,
+                                          int64_t segments, int64_t segment_len, double scale) {
   using namespace fast_causal_attn::cuda;
   TORCH_CHECK(q.is_cuda() && q.dim() == 4, "q: a 4-d CUDA tensor");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf, "q: bfloat16 or float16");
@@ -274,17 +295,24 @@ std::vector<at::Tensor> one_pass_backward(const at::Tensor& q, const at::Tensor&
   const int64_t B = q.size(0), H = q.size(1), L = q.size(2), E = q.size(3), M = v.size(3);
   TORCH_CHECK(k.sizes() == q.sizes() && v.sizes() == dout.sizes() && v.size(2) == L, "shapes");
   TORCH_CHECK(E <= 64 && M <= 64 && E % 8 == 0 && M % 8 == 0 && L > 0, "E, M: multiples of 8 up to 64");
-  TORCH_CHECK(kv_end.is_contiguous() && kv_end.scalar_type() == at::kFloat && kv_end.numel() == B * H * E * M,
-              "kv_end: [B, H, E, M] float32");
+  TORCH_CHECK(segments >= 1 && segment_len % 64 == 0 && (segments - 1) * segment_len < L && segments * segment_len >= L,
+              "segments of segment_len steps (a multiple of 64) covering L");
+  TORCH_CHECK(kv_end.is_contiguous() && kv_end.scalar_type() == at::kFloat && kv_end.numel() == B * H * segments * E * M,
+              "kv_end: [B, H, segments, E, M] float32");
+  TORCH_CHECK(d_end.numel() == 0 || (d_end.is_contiguous() && d_end.scalar_type() == at::kFloat &&
+                                     d_end.numel() == B * H * segments * M * E),
+              "d_end: [B, H, segments, M, E] float32, or empty");
   auto dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_REDUCED_FLOATING_TYPES(q.scalar_type(), "one_pass_backward", [&] {
     one_pass::Params<scalar_t> p{q.data_ptr<scalar_t>(), k.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(),
                                  dout.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                                 dv.data_ptr<scalar_t>(), kv_end.data_ptr<float>(), L, E, M, float(scale)};
+                                 dv.data_ptr<scalar_t>(), kv_end.data_ptr<float>(),
+                                 d_end.numel() > 0 ? d_end.data_ptr<float>() : nullptr, L, E, M, segments,
+                                 segment_len, float(scale)};
     const auto kernel = one_pass::one_pass_backward_kernel<scalar_t>;
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(one_pass::kSmemBytes)));
-    kernel<<<dim3(unsigned(B * H)), one_pass::kBlockThreads, one_pass::kSmemBytes, stream>>>(p);
+    kernel<<<dim3(unsigned(B * H * segments)), one_pass::kBlockThreads, one_pass::kSmemBytes, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {dq, dk, dv};

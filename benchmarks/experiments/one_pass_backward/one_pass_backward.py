@@ -64,6 +64,36 @@ def forward(q, k, v, scale):
     return out, final_kv, segment_kv
 
 
+def segment_states(q, k, v, dout, segments):
+    """(segment_len, kv_end [B, H, S, E, M], d_end [B, H, S, M, E]): each time segment's end state
+    (the sum of k^T v up to its end) and D there (the sum of dO^T q over the segments after it), in
+    float32 from torch: what a forward keeping its segments' ends and a reverse scan of dO^T q would
+    give the segmented one pass (its launch's inputs; not timed)."""
+    L = q.shape[2]
+    segment_len = -(-L // (64 * segments)) * 64
+    own_kv, own_d = [], []
+    for j in range(segments):
+        part = slice(j * segment_len, min(L, (j + 1) * segment_len))
+        own_kv.append(torch.einsum("bhle,bhlm->bhem", k[:, :, part].float(), v[:, :, part].float()))
+        own_d.append(torch.einsum("bhlm,bhle->bhme", dout[:, :, part].float(), q[:, :, part].float()))
+    own_d = torch.stack(own_d, 2)
+    later = own_d.flip(2).cumsum(2).flip(2) - own_d
+    return segment_len, torch.stack(own_kv, 2).cumsum(2).contiguous(), later.contiguous()
+
+
+def one_pass(module, q, k, v, dout, scale, final_kv=None, segments=1):
+    """The prototype's (dq, dk, dv): in one segment from final_kv (the library's forward's), or in
+    `segments` from segment_states'."""
+    if segments == 1:
+        if final_kv is None:
+            final_kv = torch.einsum("bhle,bhlm->bhem", k.float(), v.float())
+        B, H, L = q.shape[:3]
+        return module.one_pass_backward(q, k, v, dout, final_kv.reshape(B, H, 1, *final_kv.shape[2:]).contiguous(),
+                                        torch.empty(0, device=q.device), 1, -(-L // 64) * 64, scale)
+    segment_len, kv_end, d_end = segment_states(q, k, v, dout, segments)
+    return module.one_pass_backward(q, k, v, dout, kv_end, d_end, segments, segment_len, scale)
+
+
 def library_backward(q, k, v, dout, scale, segment_kv):
     return torch.ops.fast_causal_attn.backward(dout, None, None, q, k, v, None, None, None, None, None, scale, False,
                                                "bhld", segment_kv, None)[:3]
@@ -86,27 +116,33 @@ def relative_error(x, exact):
     return ((x - exact).norm() / exact.norm()).item()
 
 
-CHECKS = [  # B, H, L, E, M, scale, pairs checked against float64
-    (1, 1, 64, 64, 64, 1.0, 1),
-    (2, 3, 150, 64, 64, 1.0, 6),  # a partial last chunk (22 rows)
-    (1, 2, 1000, 64, 64, 0.125, 2),
-    (2, 2, 4100, 64, 64, 1.0, 4),
-    (1, 2, 300, 64, 32, 1.0, 2),
-    (1, 2, 300, 32, 64, 1.0, 2),
-    (1, 2, 333, 16, 16, 1.0, 2),
-    (8, 16, 2048, 64, 64, 1.0, 4),
-    (1, 2, 16384, 64, 64, 1.0, 2),  # the state taken down over 256 chunks
+CHECKS = [  # B, H, L, E, M, scale, pairs checked against float64, segments
+    (1, 1, 64, 64, 64, 1.0, 1, 1),
+    (2, 3, 150, 64, 64, 1.0, 6, 1),  # a partial last chunk (22 rows)
+    (1, 2, 1000, 64, 64, 0.125, 2, 1),
+    (2, 2, 4100, 64, 64, 1.0, 4, 1),
+    (1, 2, 300, 64, 32, 1.0, 2, 1),
+    (1, 2, 300, 32, 64, 1.0, 2, 1),
+    (1, 2, 333, 16, 16, 1.0, 2, 1),
+    (8, 16, 2048, 64, 64, 1.0, 4, 1),
+    (1, 2, 16384, 64, 64, 1.0, 2, 1),  # the state taken down over 256 chunks
+    (1, 2, 1000, 64, 64, 0.7, 2, 4),  # segments: each from its end's D and T
+    (2, 3, 333, 40, 24, 1.0, 6, 2),
+    (2, 2, 4100, 64, 64, 1.0, 4, 3),
 ]
-TIMED = [(8, 16, 2048, 64, 64), (16, 16, 2048, 64, 64), (8, 16, 4096, 64, 64), (4, 16, 8192, 64, 64)]
+# B, H, L, E, M, segments: the prototype's shape of work (one segment where the pairs fill the
+# multiprocessors), and segments enough for a block a multiprocessor where they do not
+TIMED = [(8, 16, 2048, 64, 64, 1), (16, 16, 2048, 64, 64, 1), (8, 16, 4096, 64, 64, 1), (4, 16, 8192, 64, 64, 1),
+         (4, 16, 8192, 64, 64, 2), (2, 4, 8192, 64, 64, 16), (1, 8, 16384, 64, 64, 16)]
 
 
 def check(module, checks):
     failed = 0
     for dtype in (torch.bfloat16, torch.float16):
-        for B, H, L, E, M, scale, pairs in checks:
+        for B, H, L, E, M, scale, pairs, segments in checks:
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
             _, final_kv, segment_kv = forward(q, k, v, scale)
-            ours = module.one_pass_backward(q, k, v, dout, final_kv.contiguous(), scale)
+            ours = one_pass(module, q, k, v, dout, scale, final_kv, segments)
             library = library_backward(q, k, v, dout, scale, segment_kv) if LIBRARY else (None,) * 3
             torch.cuda.synchronize()
             exact = exact_grads(q, k, v, dout, scale, pairs)
@@ -121,8 +157,22 @@ def check(module, checks):
                     ok = err_o <= BOUND[dtype]
                     line.append(f"{name} {err_o:.2e}{'' if ok else ' FAIL'}")
                 failed += not ok
-            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} scale {scale}: " + "; ".join(line), flush=True)
+            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} scale {scale}, {segments} segment(s): " + "; ".join(line),
+                  flush=True)
     return failed
+
+
+def launcher(module, q, k, v, dout, segments):
+    """The prototype's launch alone, its inputs made first (a segmented launch's starts from torch)."""
+    B, H, L = q.shape[:3]
+    if segments == 1:
+        segment_len = -(-L // 64) * 64
+        kv_end = torch.einsum("bhle,bhlm->bhem", k.float(), v.float()).reshape(B, H, 1, q.shape[3], v.shape[3])
+        d_end = torch.empty(0, device=q.device)
+    else:
+        segment_len, kv_end, d_end = segment_states(q, k, v, dout, segments)
+    kv_end = kv_end.contiguous()
+    return lambda: module.one_pass_backward(q, k, v, dout, kv_end, d_end, segments, segment_len, 1.0)
 
 
 def time_alone(module):
@@ -134,14 +184,12 @@ def time_alone(module):
     bandwidth = 2 * src.numel() * 4 / (triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200) * 1e-3)
     print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s; the prototype's do_bench ms, x the backward's floor")
     for dtype in (torch.bfloat16, torch.float16):
-        for B, H, L, E, M in TIMED:
+        for B, H, L, E, M, segments in TIMED:
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
-            final_kv = forward(q, k, v, 1.0)[1].contiguous()
             floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
-            ms = triton.testing.do_bench(lambda: module.one_pass_backward(q, k, v, dout, final_kv, 1.0),
-                                         warmup=25, rep=200)
-            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M}: {ms:.4f} ms, floor {floor:.4f}, {ms / floor:.2f}x",
-                  flush=True)
+            ms = triton.testing.do_bench(launcher(module, q, k, v, dout, segments), warmup=25, rep=200)
+            print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M}, {segments} segment(s): {ms:.4f} ms, floor {floor:.4f}, "
+                  f"{ms / floor:.2f}x", flush=True)
 
 
 def time_shapes(module):
@@ -150,16 +198,15 @@ def time_shapes(module):
     bandwidth = copy_bandwidth("cuda")
     print(f"\ncopy bandwidth {bandwidth / 1e9:.1f} GB/s; ms: device time a call (do_bench median), x floor")
     for dtype in (torch.bfloat16, torch.float16):
-        for B, H, L, E, M in TIMED:
+        for B, H, L, E, M, segments in TIMED:
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
             _, final_kv, segment_kv = forward(q, k, v, 1.0)
-            final_kv = final_kv.contiguous()
             # the floors: the backward reads q, k, v, dO and writes dq, dk, dv; the forward reads q, k, v, writes o
             floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
             forward_floor = B * H * L * (2 * E + 2 * M) * q.element_size() / bandwidth * 1e3
             # the forward as autograd runs it now (segment starts kept), and with the final state
             # too, which the one pass would need kept
-            runs = {"one pass": lambda: module.one_pass_backward(q, k, v, dout, final_kv, 1.0),
+            runs = {f"one pass ({segments} segment(s))": launcher(module, q, k, v, dout, segments),
                     "library": lambda: library_backward(q, k, v, dout, 1.0, segment_kv),
                     "forward": lambda: torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6,
                                                                           "bhld", False, True),
