@@ -200,15 +200,20 @@ struct RowTileSums {
   }
 };
 
+// float32 tensors on the current device: den's division (divide_by_den), the key sums' and the
+// rescaled states' (launch_wgmma).
+inline at::TensorOptions float_options() {
+  return at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+}
+
 // The normalized float32 forward in two row tiles (wgmma_takes): its outputs, summed undivided as
 // den's parts were (wgmma_tf32_product_kernel), divided by den after the pass, on the current
 // stream (the launches'): one more read and write of O, where one block holding all of E's rows
 // would not fit its chunks' tiles in shared memory.
 inline void divide_by_den(const KernelParams& p, int64_t Dc) {
   const StridedTensor& out = pass_output<Pass::Forward>(p);
-  const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
-  at::from_blob(out.ptr, {p.B, p.H, p.L, Dc}, {out.stride_b, out.stride_h, out.stride_l, 1}, options)
-      .div_(at::from_blob(p.den, {p.B, p.H, p.L, 1}, options));
+  at::from_blob(out.ptr, {p.B, p.H, p.L, Dc}, {out.stride_b, out.stride_h, out.stride_l, 1}, float_options())
+      .div_(at::from_blob(p.den, {p.B, p.H, p.L, 1}, float_options()));
 }
 
 // Whether float32's row tiles (above one tile of the state's rows: 128, or 64 with
@@ -492,11 +497,6 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if (p.keep_segments && p.segments > 1) return {workspace.buffer, at::Tensor(), p.segments};
   }
   return {};
-}
-
-// float32 tensors on the current device: the key sums' and the rescaled states' (launch_wgmma).
-inline at::TensorOptions float_options() {
-  return at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
 }
 
 // The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
