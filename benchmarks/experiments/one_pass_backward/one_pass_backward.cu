@@ -79,6 +79,22 @@ __device__ __forceinline__ void consumer_release(const ProducedRing<kStages>& ri
     asm volatile("barrier.arrive %0, %1;\n" ::"r"(ring.full0 + kStages + ring.slot), "r"(ring.threads) : "memory");
   }
 }
+// An M x E state into this lane's accumulator entries (row m = 16 warp + g (+8), column e = 8 j +
+// 2 q4 (+1)) times `sign`, from `from`: [M, E], or (kTransposed) [E, M]; zeros where it is null
+// (and past M and E)
+template <bool kTransposed>
+__device__ __forceinline__ void load_state(float (&d)[32], const float* from, int64_t M, int64_t E, float sign) {
+  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+      d[4 * j + e] = from != nullptr && row < M && column < E
+                         ? sign * from[kTransposed ? column * M + row : row * E + column]
+                         : 0.f;
+    }
+}
 // d += U(score) X in one committed group, X a staged tile (K = time along its rows)
 template <bool kHalf>
 __device__ __forceinline__ void add_strict_upper_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
@@ -156,17 +172,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
     StateCopy<kHalf> copy{base + kStages * 4 * kTile, warp_max};
     auto group_sync = [] { named_sync(kKvGroup, kThreads); };
     float d[32];
-    {  // D from the segment's end: row m = 16 warp + g (+8), column e = 8 j + 2 q4 (+1)
-      const float* const end = p.d_end != nullptr ? p.d_end + (pair * p.segments + segment) * M * E : nullptr;
-      const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
-          d[4 * j + e] = end != nullptr && row < M && column < E ? end[row * E + column] : 0.f;
-        }
-    }
+    load_state<false>(d, p.d_end != nullptr ? p.d_end + (pair * p.segments + segment) * M * E : nullptr, M, E, 1.f);
     copy.publish_first(copy.rows(d), group_sync);
     scalar_t* const dk = p.dk + pair * L * E;
     scalar_t* const dv = p.dv + pair * L * M;
@@ -222,17 +228,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) one_pass_backward_kernel(con
     StateCopy<kHalf> copy{base + (kStages * 4 + kCopyTiles) * kTile, warp_max + 4};
     auto group_sync = [] { named_sync(kQGroup, kThreads); };
     float t[32];
-    {
-      const float* const end = p.kv_end + (pair * p.segments + segment) * E * M;
-      const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
-          t[4 * j + e] = row < M && column < E ? -end[column * M + row] : 0.f;
-        }
-    }
+    load_state<true>(t, p.kv_end + (pair * p.segments + segment) * E * M, M, E, -1.f);
     copy.publish_first(copy.rows(t), group_sync);
     scalar_t* const dq = p.dq + pair * L * E;
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {

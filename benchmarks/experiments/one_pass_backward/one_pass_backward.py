@@ -81,17 +81,19 @@ def segment_states(q, k, v, dout, segments):
     return segment_len, torch.stack(own_kv, 2).cumsum(2).contiguous(), later.contiguous()
 
 
-def one_pass(module, q, k, v, dout, scale, final_kv=None, segments=1):
-    """The prototype's (dq, dk, dv): in one segment from final_kv (the library's forward's), or in
-    `segments` from segment_states'."""
+def launcher(module, q, k, v, dout, segments, scale=1.0, final_kv=None):
+    """The prototype's launch alone, its inputs made first: in one segment from final_kv (the
+    library's forward's; else torch.einsum's), or in `segments` from segment_states'."""
+    B, H, L = q.shape[:3]
     if segments == 1:
+        segment_len = -(-L // 64) * 64
         if final_kv is None:
             final_kv = torch.einsum("bhle,bhlm->bhem", k.float(), v.float())
-        B, H, L = q.shape[:3]
-        return module.one_pass_backward(q, k, v, dout, final_kv.reshape(B, H, 1, *final_kv.shape[2:]).contiguous(),
-                                        torch.empty(0, device=q.device), 1, -(-L // 64) * 64, scale)
-    segment_len, kv_end, d_end = segment_states(q, k, v, dout, segments)
-    return module.one_pass_backward(q, k, v, dout, kv_end, d_end, segments, segment_len, scale)
+        kv_end = final_kv.reshape(B, H, 1, q.shape[3], v.shape[3]).contiguous()
+        d_end = torch.empty(0, device=q.device)
+    else:
+        segment_len, kv_end, d_end = segment_states(q, k, v, dout, segments)
+    return lambda: module.one_pass_backward(q, k, v, dout, kv_end, d_end, segments, segment_len, scale)
 
 
 def library_backward(q, k, v, dout, scale, segment_kv):
@@ -142,7 +144,7 @@ def check(module, checks):
         for B, H, L, E, M, scale, pairs, segments in checks:
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
             _, final_kv, segment_kv = forward(q, k, v, scale)
-            ours = one_pass(module, q, k, v, dout, scale, final_kv, segments)
+            ours = launcher(module, q, k, v, dout, segments, scale, final_kv)()
             library = library_backward(q, k, v, dout, scale, segment_kv) if LIBRARY else (None,) * 3
             torch.cuda.synchronize()
             exact = exact_grads(q, k, v, dout, scale, pairs)
@@ -160,19 +162,6 @@ def check(module, checks):
             print(f"{str(dtype)[6:]:9} {B},{H},{L},{E},{M} scale {scale}, {segments} segment(s): " + "; ".join(line),
                   flush=True)
     return failed
-
-
-def launcher(module, q, k, v, dout, segments):
-    """The prototype's launch alone, its inputs made first (a segmented launch's starts from torch)."""
-    B, H, L = q.shape[:3]
-    if segments == 1:
-        segment_len = -(-L // 64) * 64
-        kv_end = torch.einsum("bhle,bhlm->bhem", k.float(), v.float()).reshape(B, H, 1, q.shape[3], v.shape[3])
-        d_end = torch.empty(0, device=q.device)
-    else:
-        segment_len, kv_end, d_end = segment_states(q, k, v, dout, segments)
-    kv_end = kv_end.contiguous()
-    return lambda: module.one_pass_backward(q, k, v, dout, kv_end, d_end, segments, segment_len, 1.0)
 
 
 def time_alone(module):
@@ -200,7 +189,7 @@ def time_shapes(module):
     for dtype in (torch.bfloat16, torch.float16):
         for B, H, L, E, M, segments in TIMED:
             q, k, v, dout = inputs(B, H, L, E, M, dtype)
-            _, final_kv, segment_kv = forward(q, k, v, 1.0)
+            segment_kv = forward(q, k, v, 1.0)[2]
             # the floors: the backward reads q, k, v, dO and writes dq, dk, dv; the forward reads q, k, v, writes o
             floor = B * H * L * (4 * E + 3 * M) * q.element_size() / bandwidth * 1e3
             forward_floor = B * H * L * (2 * E + 2 * M) * q.element_size() / bandwidth * 1e3
