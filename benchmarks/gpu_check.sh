@@ -203,6 +203,9 @@ if has sanitize; then
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
   # states in and out on the wgmma kernels (a start into every segment, the end from the last)
   sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
+  # the one-pass backward (wgmma_grad_kv_kernel's kWithDq: two consumer warpgroups of different
+  # code on one ring, their barriers not .aligned): a partial chunk, E != M, one chunk alone
+  sanitize one_pass "test_one_pass_backward and not states and not kept and (B2H3L333E40M24 or B1H1L64E64M64) and bhld" tests/test_wgmma.py
   # the normalized 16-bit kernels (KeySums, the extra rows): one atom on one warpgroup, two atoms on
   # two (outputs staged over the copy), four split between two (their row sums exchanged), segments,
   # dk and dv as two reverse passes (q / den divided by the producer);

@@ -44,6 +44,11 @@ def training_step_kernels(B, H, dtype, L=200, E=64, M=64):
     return names
 
 
+def one_pass_launches(names):
+    """Launches of the one-pass backward (wgmma_grad_kv_kernel's kWithDq instances: dk, dv and dq)."""
+    return sum(count for n, count in names.items() if "wgmma_grad_kv_kernel<" in n and ", true>(" in n)
+
+
 def wgmma_passes(names):
     """The passes of the 16-bit wgmma_product_kernel instances launched ("0" to "3")."""
     return {pass_ for pass_, _, _ in wgmma_instances(names)}
@@ -55,12 +60,16 @@ def wgmma_passes(names):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_training_step_takes_the_wgmma_kernels(dtype, monkeypatch):
     """At any count of (batch, head) pairs (a few, one for each multiprocessor, two for each) the
-    forward and dq run on the wgmma kernel (Pass 0 and 1) and dk with dv on its fused reverse pass,
-    with no mma.sync kernel; FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
+    forward runs on the wgmma kernel (Pass 0) and dk with dv on its fused reverse pass, with no
+    mma.sync kernel; dq on the wgmma kernel (Pass 1), or beside dk and dv in their pass where the
+    pairs fill 7 / 16 of the multiprocessors or more, 7 / 8 in float16 (one_pass_backward; the
+    forward in one segment at 200 steps); FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, H in ((1, 1), (2, 3), (4, 16), (1, sms), (2, sms)):
         names = training_step_kernels(B, H, dtype)
-        assert wgmma_passes(names) == {"0", "1"}, (B, H, names)
+        one_pass = 16 * B * H >= (14 if dtype == torch.float16 else 7) * sms
+        assert wgmma_passes(names) == ({"0"} if one_pass else {"0", "1"}), (B, H, names)
+        assert bool(one_pass_launches(names)) == one_pass, (B, H, names)
         assert any("wgmma_grad_kv_kernel" in n for n in names), (B, H, names)
         assert not any("tensorcore_product_kernel" in n for n in names), (B, H, names)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
@@ -224,6 +233,95 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
 @CUDA
 @SM90
 @EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_one_pass_backward_where_the_forward_kept_its_end(dtype, monkeypatch):
+    """The one-pass backward runs where the forward kept its end state (16-bit, E and M up to 64,
+    no normalizer: count 1 in segment_kv, the plan's too, in place of the segments' starts): by
+    default where the pairs fill 7 / 16 of the multiprocessors (7 / 8 in float16), forced at any count
+    (FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=1), the forward in one segment or several; not with
+    fewer pairs (the forward keeps its starts for dq), nor with =0, nor under normalize, nor E
+    above 64."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def kept(B, H, L, E=64, M=64):
+        q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda")
+        return torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+
+    assert kept(1, sms, 300).shape == (sms, 1, 64, 64)
+    assert one_pass_launches(training_step_kernels(1, sms, dtype, 300)) == 1
+    assert kept(2, 3, 2048).shape[1] > 1  # few pairs: the forward in segments, dq from their starts
+    assert one_pass_launches(training_step_kernels(2, 3, dtype, 2048)) == 0
+    assert kept(1, sms, 300, 128, 64).shape[1] == 0  # E above 64
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
+    assert kept(2, 3, 2048).shape == (6, 1, 64, 64)  # the forward in segments, its end kept
+    assert one_pass_launches(training_step_kernels(2, 3, dtype, 2048)) == 1
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
+    assert kept(2, 3, 300, 40, 24).shape == (6, 1, 40, 24)
+    assert one_pass_launches(training_step_kernels(2, 3, dtype, 300, 40, 24)) == 1
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 64, 64, dtype=dtype, device="cuda", normalize=True))
+    with cuda_kernels_launched() as names:
+        out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert one_pass_launches(names) == 0, names
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
+    assert kept(1, sms, 300).shape[1] == 0
+    names = training_step_kernels(1, sms, dtype, 300)
+    assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8),
+                                   (1, 1, 64, 64, 64), (2, 2, 4100, 64, 64)], ids=shape_id)
+def test_one_pass_backward(shape, layout, segments, dtype, monkeypatch):
+    """The one-pass backward (forced at these few pairs), the forward in one segment or three (its
+    end written by the last segment's blocks): dq from the state taken down from the forward's
+    end, whole and partial last chunks, a sequence of one chunk, E != M, both layouts, two scales:
+    the output and each gradient within the dtype's bound of float64 (check_against_reference).
+    (test_one_pass_backward_where_the_forward_kept_its_end counts the launches: not here, where
+    the sanitizer subset runs it, under which the profiler sees no kernels.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 3, 200, 40, 24)], ids=shape_id)
+def test_one_pass_backward_with_states(shape, segments, dtype, monkeypatch):
+    """The one-pass backward from a given state with the final state out (its end, from which dq's
+    state is taken down, holds the initial state; dk and dv start from the final state's gradient
+    and end at the initial one's; the key sum's gradient passes through), scale 0.7, forced at
+    these few pairs, the forward in one segment or three: every result within its bound
+    (check_state_call); and it ran."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, dtype, "one pass")).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", generator=gen)
+    with cuda_kernels_launched() as names:
+        check_state_call(q, k, v, list(make_state(B, H, E, M, dtype, False)), (B, H, E, M), gen,
+                         lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7),
+                         lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, layout="bhld",
+                                                                       **kw),
+                         exact_in_float32={"final kv", "final k_sum"})
+    assert one_pass_launches(names) >= 1, names
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_dv_when_the_forward_ran_in_segments_and_dk_did_not(dtype):
@@ -348,11 +446,14 @@ def test_unaligned_rows_take_the_wgmma_kernels(dtype):
 @CUDA
 @SM90
 @EXPECT_WGMMA
-def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long():
+def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long(monkeypatch):
     """The wgmma forward at E, M <= 64 fits two blocks a multiprocessor: where filling the
     multiprocessors once takes segments (half as many pairs as multiprocessors: 2), it takes twice
     as many while each holds 8 chunks or more (4096 steps: 4 of 16 chunks), and no more than one
-    wave's where they would be shorter (1024 steps: 2 of 8 chunks); the result is right either way."""
+    wave's where they would be shorter (1024 steps: 2 of 8 chunks); the result is right either way.
+    (Its segments' starts are kept for the two-pass backward: the one pass, which keeps only the
+    end, is off here.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
     pairs = torch.cuda.get_device_properties(0).multi_processor_count // 2
     for L, expected in ((4096, 4), (1024, 2)):
         q, k, v = make_inputs(1, pairs, L, 64, 64, dtype=torch.bfloat16, device="cuda")

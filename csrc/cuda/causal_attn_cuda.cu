@@ -191,7 +191,19 @@ ForwardSegments launch_forward_cuda(const ForwardParams& params) {
     run_decode_step(p, stream);
     return {};
   }
+  p.one_pass = p.keep_segments && one_pass_backward_takes(p);  // (its end kept for the backward)
   return run_forward_pass(p, stream);
+}
+
+// Without normalize the key sum passes straight through: its gradient at the start is the final one's.
+void add_grad_initial_k_sum(const KernelParams& p, cudaStream_t stream) {
+  if (p.normalize || p.grad_initial_k_sum == nullptr) return;
+  const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);
+  if (p.grad_final_k_sum != nullptr) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(p.grad_initial_k_sum, p.grad_final_k_sum, bytes, cudaMemcpyDeviceToDevice, stream));
+  } else {
+    C10_CUDA_CHECK(cudaMemsetAsync(p.grad_initial_k_sum, 0, bytes, stream));
+  }
 }
 
 void launch_backward_cuda(const BackwardParams& params) {
@@ -211,6 +223,16 @@ void launch_backward_cuda(const BackwardParams& params) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
                                       [&] { launch_backward_prepare<scalar_t>(p, stream); });
     }
+  }
+  // The one-pass backward, from the forward's kept end (forward_segments 1): dk, dv
+  // and dq in one launch (one_pass_backward). It runs wherever the forward decided to keep that
+  // end: the two decide alike, and where not (a state's scale out of wgmma_takes' range), dq and
+  // dk-with-dv run as below and the end goes unread.
+  if (p.forward_segments == 1 && one_pass_backward_takes(p)) {
+    p.one_pass = true;
+    TORCH_CHECK(run_grad_kv_pass(p, stream), "fast_causal_attn: internal: the one-pass backward did not run");
+    add_grad_initial_k_sum(p, stream);
+    return;
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200
@@ -237,14 +259,7 @@ void launch_backward_cuda(const BackwardParams& params) {
     }
     run_grad_v_pass(dv, stream);
   }
-  if (!p.normalize && p.grad_initial_k_sum != nullptr) {  // the key sum passes straight through
-    const size_t bytes = size_t(p.num_seqs * p.H * p.E) * (p.dtype == at::kDouble ? 8 : 4);
-    if (p.grad_final_k_sum != nullptr) {
-      C10_CUDA_CHECK(cudaMemcpyAsync(p.grad_initial_k_sum, p.grad_final_k_sum, bytes, cudaMemcpyDeviceToDevice, stream));
-    } else {
-      C10_CUDA_CHECK(cudaMemsetAsync(p.grad_initial_k_sum, 0, bytes, stream));
-    }
-  }
+  add_grad_initial_k_sum(p, stream);
 }
 
 }  // namespace
@@ -257,6 +272,7 @@ int64_t plan_forward_segments(const ForwardParams& params, int device) {
   p.dry_run = true;
   // No output and no state to write (ops.cpp launches nothing), or a decoding step: no segments.
   if (p.B * p.H * p.M == 0 || cuda::decoding_step(p)) return 0;
+  p.one_pass = p.keep_segments && cuda::one_pass_backward_takes(p);  // (launch_forward_cuda's)
   return cuda::run_forward_pass(p, nullptr).count;
 }
 

@@ -275,6 +275,42 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
   return false;
 }
 
+// Whether the backward makes dk, dv and dq in one reverse pass (wgmma_grad_kv_kernel's kWithDq:
+// q, k, v and dO read once, 7 tensors where dk-with-dv and the dq pass move 10) from the forward's
+// end state, which the forward then keeps (KernelParams::one_pass): 16-bit, E and M up to 64, no
+// normalizer, no packed sequences, where dk with dv runs on the wgmma kernel (run_grad_kv). The
+// forward keeps its end in place of its segments' starts (launch_backward_cuda asks for it). One
+// block a pair walks the whole sequence, so its chain (about 1.8 us a chunk) bounds it where the pairs are few: bf16
+// 4,16,8192,64 (64 pairs) 0.230 ms on 64 blocks against dk-with-dv and dq's 0.265 in segments,
+// 8,16,2048,64 0.095 against 0.120 (H100 prototype, RESULTS.md, sixty-first session); from those
+// two ends the crossover is near 56 pairs on 132 multiprocessors (the two kernels' time about
+// proportional to the pairs, the one pass's to the length alone), so it takes 7 / 16 of the
+// multiprocessors' count or more. FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off, =1 takes it
+// at any pair count (for measuring and the tests). The forward and the backward decide alike (a
+// state given only to the backward changes nothing here but wgmma_takes' scale range).
+template <typename scalar_t>
+bool one_pass_backward(const KernelParams& p) {
+  if constexpr (!kWgmmaInput<scalar_t>) {
+    (void)p;
+    return false;
+  } else {
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD");
+    if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
+    const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
+    if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
+    if (p.normalize || p.cu_seqlens != nullptr || p.E > 64 || p.M > 64 || forced_family() != Family::Default) return false;
+    if (!wgmma_takes<Pass::GradKV, scalar_t>(with_state_io<Pass::GradKV>(p), p.M, p.E)) return false;
+    const bool forced = switch_ != nullptr && std::strcmp(switch_, "1") == 0;
+    // float16's dq multiplies by T's copy in two parts (a product more a chunk): at 4,16,8192,64
+    // (64 pairs) its one pass took 0.279 ms against the two kernels' 0.266, fwd+bwd 0.425 against
+    // 0.412, where bfloat16's gained (0.380 against 0.408); at 8,16,2048,64 (128 pairs) it gained
+    // as bfloat16 did, 0.154 against 0.183 (H100, RESULTS.md, sixty-second session). So float16
+    // takes it from 7 / 8 of the multiprocessors' count.
+    const int64_t sixteenths = std::is_same_v<scalar_t, at::Half> ? 14 : 7;
+    return forced || 16 * p.num_seqs * p.H >= sixteenths * multiprocessor_count();
+  }
+}
+
 template <Pass P>
 ForwardSegments run_pass_for_dtype(const KernelParams& p, cudaStream_t stream) {
   ForwardSegments kept;
@@ -290,6 +326,7 @@ bool grad_q_pass_makes_dots(const KernelParams& p);  // grad_q_makes_dots for p'
 ForwardSegments run_grad_k_pass(const KernelParams& p, cudaStream_t stream);  // dk's segment starts, where kept
 void run_grad_v_pass(const KernelParams& p, cudaStream_t stream);
 bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream);  // false: run the two passes
+bool one_pass_backward_takes(const KernelParams& p);  // one_pass_backward for p's dtype
 
 }  // namespace cuda
 }  // namespace fast_causal_attn

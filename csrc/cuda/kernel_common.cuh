@@ -34,6 +34,11 @@ struct KernelParams : BackwardParams {
   // the dk pass after it.
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
   bool dots_in_grad_q = false;
+  // The one-pass backward (one_pass_backward in dispatch.cuh): in the forward, keep the end state
+  // (ForwardSegments with count 1, in place of the segments' starts); in the backward, dk, dv and
+  // dq in one reverse pass over the whole sequence (wgmma_grad_kv_kernel's kWithDq) from that end
+  // (forward_segment_kv).
+  bool one_pass = false;
 
   // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).

@@ -12,5 +12,12 @@ bool run_grad_kv_pass(const KernelParams& p, cudaStream_t stream) {
   return ran;
 }
 
+bool one_pass_backward_takes(const KernelParams& p) {
+  bool takes = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn one_pass_backward",
+                                  [&] { takes = one_pass_backward<scalar_t>(p); });
+  return takes;
+}
+
 }  // namespace cuda
 }  // namespace fast_causal_attn

@@ -363,7 +363,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t row_tiles = kFloat ? tf32_row_tiles(Da) : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
-  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32] {
+  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32, one_pass = p.one_pass] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32; the normalizer's
@@ -378,6 +378,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
+      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, false, false, true>;  // dq beside (one_pass_backward)
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
@@ -420,12 +421,15 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   }();
   // each pass alone: its groups and a producer warpgroup (one launch's instances too); dk with dv:
   // one group and a producer, or above 64 two groups (the wide kernel, which stages its own
-  // chunks: a producer there measured slower, RESULTS.md, thirty-first session)
+  // chunks: a producer there measured slower, RESULTS.md, thirty-first session); the one-pass
+  // backward a group more for dq, with its state's copy and staging rows
+  const bool one_pass = P == Pass::GradKV && p.one_pass;
   const int threads = kFloat              ? (wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads
-                      : P == Pass::GradKV ? 2 * wgmma::kThreads
+                      : P == Pass::GradKV ? (one_pass ? 3 : 2) * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts, normalize)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2) + (normalize ? wgmma::kNormalizedWideBytes : 0)
+                      : one_pass            ? wgmma::smem_bytes(4, 4, 2)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kNormalizedGradKVBytes : 0)
                                           : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
@@ -441,9 +445,18 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  const int64_t segments = wgmma_segments(p, blocks, smem);
+  // (the one-pass backward: one segment, from the forward's end)
+  const int64_t segments = one_pass ? 1 : wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
-  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward && count > 1 ? count : 0};
+  // The forward's end state kept for the one-pass backward (written by its last segment's blocks),
+  // in place of its segments' starts: that backward runs no dq pass
+  const bool keeps_end = P == Pass::Forward && p.one_pass && p.keep_segments;
+  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_end ? 1 : count > 1 ? count : 0) : 0};
+  at::Tensor kept_end;
+  if (keeps_end) {
+    kept_end = at::empty({pairs, 1, Da, Dc}, float_options());
+    if (p.end_state == nullptr) p.end_state = kept_end.data_ptr();  // (else copied from the final state after the pass)
+  }
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // The state-only launch in heads and tails where its blocks would leave multiprocessors idle
   // (choose_state_head; one block a multiprocessor):
@@ -491,6 +504,13 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
   if constexpr (P == Pass::Forward) {
+    if (keeps_end) {
+      if (p.end_state != kept_end.data_ptr()) {
+        C10_CUDA_CHECK(cudaMemcpyAsync(kept_end.data_ptr(), p.end_state, size_t(pairs * Da * Dc) * sizeof(float),
+                                       cudaMemcpyDeviceToDevice, stream));
+      }
+      return {kept_end, at::Tensor(), 1};
+    }
     if (p.keep_segments) return workspace.kept();
   }
   if constexpr (P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv

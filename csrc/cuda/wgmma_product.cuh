@@ -461,6 +461,18 @@ struct ProducedRing : StageRing<kDepth> {
   __device__ void release(int64_t it, int64_t chunks) const {
     if (it + kReuse < chunks) named_arrive(full0 + kDepth + this->slot, threads);
   }
+  // The same for consumer warpgroups that run different code on one ring (wgmma_grad_kv_kernel's
+  // kWithDq): bar.sync and bar.arrive are .aligned, every thread at a barrier on the same
+  // instruction, which two code paths break (compute-sanitizer's synccheck: "Divergent thread(s)
+  // in block"); barrier.sync and barrier.arrive (not .aligned) let them share it.
+  __device__ void wait_any_path() const {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(full0 + this->slot), "r"(threads) : "memory");
+  }
+  __device__ void release_any_path(int64_t it, int64_t chunks) const {
+    if (it + kReuse < chunks) {
+      asm volatile("barrier.arrive %0, %1;\n" ::"r"(full0 + kDepth + this->slot), "r"(threads) : "memory");
+    }
+  }
 };
 
 // dk and dv's walks that sum a segment's own dO^T Q alone (state-only blocks, a one-launch pass's
@@ -513,7 +525,9 @@ __device__ __forceinline__ void sum_chunks(int64_t chunks, Issue&& issue, Add&& 
 // kernel's scaled copy. The largest |S| is posted by each warp (post_max) before the barrier that
 // precedes publish; the scale is the largest over kWarps warps: one warpgroup's (a copy that its
 // own products read), or a block's two (one state in two copies, the products reading both).
-template <bool kHalf, int kAtoms = 1, int kWarps = 4>
+// kTwoParts: float16 in two parts as well (the one-pass backward's T, whose chunk terms dq's
+// strictly upper product takes back: wgmma_grad_kv_kernel's kWithDq), lo = fp16(S 2^-shift - hi).
+template <bool kHalf, int kAtoms = 1, int kWarps = 4, bool kTwoParts = !kHalf>
 struct StateCopy {
   static constexpr uint32_t kPart = kAtoms * kTile;
   using State = float[kAtoms][32];
@@ -566,10 +580,13 @@ struct StateCopy {
           hi[m] = pack<kHalf>(x, y);
           if constexpr (!kHalf) {
             lo[m] = pack<kHalf>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
+          } else if constexpr (kTwoParts) {
+            const float2 head = unpack<kHalf>(hi[m]);
+            lo[m] = pack<kHalf>(x - head.x, y - head.y);
           }
         }
         store_matrices(to + a * kTile, hi);
-        if constexpr (!kHalf) store_matrices(to + a * kTile + kPart, lo);
+        if constexpr (kTwoParts) store_matrices(to + a * kTile + kPart, lo);
       }
     }
   }
@@ -717,15 +734,16 @@ __device__ __forceinline__ void add_bt_times_c(float (&d)[kAtoms][32], uint32_t 
 // (kPart bytes apart), the remainder first (the small terms first), then the head. kAtoms: A's
 // atoms, K = 64 kAtoms: the copy's row blocks (the rows continue 128 bytes apart, so K along its
 // rows steps on as in one atom), or, transposed, its column atoms, next_atom bytes apart (the
-// copies of the state's two column halves). onto: d += A S.
-template <bool kHalf, int kTransB, int kAtoms = 1>
+// copies of the state's two column halves). onto: d += A S. kTwoParts: float16's two-part copy
+// (StateCopy's) too.
+template <bool kHalf, int kTransB, int kAtoms = 1, bool kTwoParts = !kHalf>
 __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile, uint32_t copy, uint32_t next_atom = 0,
                                                  bool onto = false) {
   constexpr uint32_t kPart = StateCopy<kHalf, kAtoms>::kPart;
   auto b = [copy, next_atom](uint32_t part, int s) {
     return kTransB ? k_along_rows(copy, s, part) : k_along_columns(copy, s % 4, part + (s / 4) * next_atom);
   };
-  if constexpr (!kHalf) {
+  if constexpr (kTwoParts) {
 #pragma unroll
     for (int s = 0; s < 4 * kAtoms; ++s) {
       mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(kPart, s), onto || s > 0);
@@ -733,23 +751,25 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
   }
 #pragma unroll
   for (int s = 0; s < 4 * kAtoms; ++s) {
-    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(0, s), onto || !kHalf || s > 0);
+    mma_ss<kHalf, 0, kTransB>(d, k_along_atoms<kAtoms>(a_tile, s), b(0, s), onto || kTwoParts || s > 0);
   }
 }
 
-// The masked scores (row r, column c: c <= r kept, or c >= r for kReverse) as 16-bit register A
+// The masked scores (row r, column c: c <= r kept, or c >= r for kReverse; kStrict: the diagonal
+// dropped too, c > r for the one-pass backward's dq, wgmma_grad_kv_kernel's kWithDq) as 16-bit register A
 // fragments of the products by them, each warp its 16 rows: k-step s in a[s]. The warp's rank in
 // its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
 // diagonal compare columns with rows (the others are kept or zero whole): with the rank a
 // variable, each of the 32 scores took its own compare and select every chunk.
 // Whether the mask keeps this lane's score[4 j + e] (row 16 kWarpRank + g + 8 (e / 2), column
 // 8 j + 2 q4 + e % 2).
-template <bool kReverse, int kWarpRank>
+template <bool kReverse, int kWarpRank, bool kStrict = false>
 __device__ __forceinline__ bool kept_by_mask(int j, int e) {
   const int g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
   const int row_block = 2 * kWarpRank + e / 2;  // of 8 rows, as j is of 8 columns
   if (j != row_block) return kReverse ? j > row_block : j < row_block;
   const int column = 2 * q4 + e % 2;
+  if constexpr (kStrict) return kReverse ? column > g : column < g;
   return kReverse ? column >= g : column <= g;
 }
 // f(rank) with this thread's warp rank in its warpgroup as a constant (std::integral_constant):
@@ -763,9 +783,9 @@ __device__ __forceinline__ void with_warp_rank(F&& f) {
     default: f(std::integral_constant<int, 3>{}); break;
   }
 }
-template <bool kHalf, bool kReverse, int kWarpRank>
+template <bool kHalf, bool kReverse, int kWarpRank, bool kStrict = false>
 __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
-  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank>(j, e); };
+  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank, kStrict>(j, e); };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -776,9 +796,9 @@ __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const f
                         : pack<kHalf>(kept(j, e) ? score[4 * j + e] : 0.f, kept(j, e + 1) ? score[4 * j + e + 1] : 0.f);
     }
 }
-template <bool kHalf, bool kReverse>
+template <bool kHalf, bool kReverse, bool kStrict = false>
 __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
-  with_warp_rank([&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value>(a, score); });
+  with_warp_rank([&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value, kStrict>(a, score); });
 }
 // The normalizer's row sums of this lane's two rows (16 warp + g, + 8), each added across the
 // quad: of the masked float32 scores (exact: the den the backward reads), and of P as rounded to
@@ -825,10 +845,10 @@ __device__ __forceinline__ void add_fragments_times(float (&d)[32], const uint32
   for (int s = 0; s < 4; ++s) mma_rs<kHalf, 1>(d, a[s], k_along_rows(x_tile, s));
 }
 // d += mask(score) X, in one committed group.
-template <bool kHalf, bool kReverse>
+template <bool kHalf, bool kReverse, bool kStrict = false>
 __device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
   uint32_t a[4][4];
-  masked_fragments<kHalf, kReverse>(a, score);
+  masked_fragments<kHalf, kReverse, kStrict>(a, score);
   fence();
   add_fragments_times<kHalf>(d, a, x_tile);
   commit();
@@ -1811,20 +1831,39 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // state's copy serves D (dk's, MN-major) and D^T (dv's, K-major) alike. Da = M, Dc = E (the dk
 // pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (the walks that
 // only sum: q and dO, in a deeper ring) as wgmma_product_kernel's.
-template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false>  // (kOneLaunch: as wgmma_product_kernel's)
-__global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
+//
+// kWithDq (the one-pass backward: one segment, no normalizer, KernelParams::one_pass): a third
+// warpgroup makes dq on the same staged chunks, from the state taken down from the sequence's end:
+//
+//   dq_c = dO_c S(c + 1) - U(dO_c v_c^T) k_c,   S(c) = S(c + 1) - v_c^T k_c
+//
+// (S(c): the sum of v^T k over the chunks before chunk c, M x E, the forward's state transposed;
+// U: the scores of s > t kept, the diagonal not). With T = -S(c + 1), from minus the forward's end
+// state (KernelParams::forward_segment_kv, which holds the initial state too): dq = -scale (dO T +
+// U(dO v^T) k), and T += v^T k behind each chunk's products. q, k, v and dO are then read once
+// for all three gradients: 7 tensors where this kernel and the dq pass move 10 (prototype, H100
+// bf16 8,16,2048,64: 0.095 ms against the two kernels' 0.120; RESULTS.md, sixty-first session).
+// T's copy is in two parts in float16 too (StateCopy's kTwoParts): its rounding stays off dq where
+// the chunk's own terms are taken back from its early rows.
+template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false, bool kWithDq = false>  // (kOneLaunch: as wgmma_product_kernel's)
+__global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
   static_assert(!(kOneLaunch && kNormalize), "normalize: three launches (one launch's sums carry no extra row)");
+  static_assert(!(kWithDq && (kOneLaunch || kNormalize)), "the one-pass backward: one segment, no normalizer");
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
 
+  // Shared memory: the stage slots, the state copies (D's; kWithDq: T's after it), each consumer
+  // warpgroup's staging rows, their warps' largest |state| (wgmma::smem_bytes(4, kCopyTiles, groups))
+  constexpr int kCopyTiles = kWithDq ? 4 : 2;
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
-  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 4 + 2) * kTile);
-  float* const warp_max = reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + 2) * kTile + kStagingBytes);
+  uint16_t* staging = reinterpret_cast<uint16_t*>(wgmma_smem + (kStages * 4 + kCopyTiles) * kTile);
+  float* const warp_max =
+      reinterpret_cast<float*>(wgmma_smem + (kStages * 4 + kCopyTiles) * kTile + (kWithDq ? 2 : 1) * kStagingBytes);
   StateCopy<kHalf> copy{base + kStages * 4 * kTile, warp_max};
   // kNormalize (kNormalizedGradKVBytes): dk's extra row e = the sum over the chunks after this one
   // of -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
@@ -1872,10 +1911,17 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   // named barriers: 1 the consumers', 2 on the produced rings' (the pass's or the sums'),
   // kSummed: one launch's walk done with its slots, which the pass's ring takes after it, and
   // (kNormalize) kLanded: every producer thread's copies of a chunk landed
+  // (kWithDq: no summing walks, so the dq warpgroup's own barrier takes the first of theirs past
+  // the pass's ring; the ring's barriers count its threads too)
   constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kLanded = kSummed + 1,
-                kBlockThreads = 2 * kThreads;
+                kDqBarrier = kFull + 2 * kStages, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
   static_assert(kLanded < 16, "named barriers");
+  // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384)
+  constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+  static_assert(!kWithDq || 2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / (3 * kThreads) / 8 * 8),
+                "the block's registers at launch");
   if (warpgroup() == 1) {  // the producer (broadcast, as above)
+    if constexpr (kWithDq) registers_down_to<kProducerRegisters>();
     // kNormalize: chunk it's staged q (at `tile`) divided by its rows' den once landed, den read
     // from the slot's terms once every producer thread's copies are in (each thread divides rows
     // whose den another copied). Read from global memory, den cost each chunk's announcement a
@@ -1918,6 +1964,70 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     return;
   }
   static_assert(kSumDepth <= 6 && kStages <= 6, "kNormalizedGradKVBytes: the row terms' slots");
+  if constexpr (kWithDq) {
+    registers_up_to<kConsumerRegisters>();
+    if (warpgroup() == 2) {  // dq (see above): T = -S(c + 1), row m = 16 warp + g (+8), column e as D's
+      const Operands<Pass::GradQ, scalar_t, float> ops_q(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
+      uint16_t* const q_staging = staging + kStagingBytes / sizeof(uint16_t);
+      // T's copy in two parts in float16 too: its one part cost dq up to 1.4x dk's error where the
+      // chunk's own terms are taken back from its early rows (a one-chunk sequence; H100 prototype,
+      // RESULTS.md, sixty-first session); the second part's product is one more a chunk
+      StateCopy<kHalf, 1, 4, true> t_copy{base + (kStages * 4 + 2) * kTile, warp_max + 4};
+      auto dq_sync = [] { named_sync(kDqBarrier, kThreads); };
+      float t[32];
+      {  // minus the forward's end state [E, M], transposed
+        const float* const end = static_cast<const float*>(p.forward_segment_kv) + work.pair * E * M;
+        const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
+            t[4 * j + e] = row < M && column < E ? -end[column * M + row] : 0.f;
+          }
+      }
+      t_copy.publish_first(t_copy.rows(t), dq_sync);
+      const float factor = -float(p.scale);
+      ProducedRing<kStages> ring(kFull, kBlockThreads);
+      for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+        fence_shared_writes();  // T's copy, made at the end of the chunk before
+        ring.wait_any_path();
+        const uint32_t kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2), dt = tile_of(ring.slot, 3);
+        const int64_t t0 = chunk_begin(it);
+        const int n = work.chunk_len(t0, C);
+        float score[32], acc[32];
+        fence();
+        scores_of<kHalf>(score, dt, vt);  // dO v^T: row t, column s
+        commit();
+        times_state_copy<kHalf, 1, 1, true>(acc, dt, t_copy.at);  // dO T
+        commit();
+        // as dk's below: bfloat16 the masked product behind dO T once the scores are in, T's
+        // update behind both while dq is stored; float16 takes the copy's scale back first
+        if constexpr (!kHalf) {
+          wait<1>();
+          add_masked_times<kHalf, true, true>(acc, score, kt);  // U(dO v^T) k
+        }
+        add_bt_times_c<kHalf>(t, vt, kt);  // T += v^T k: -S(c), the chunk before's
+        commit();
+        wait<1>();
+        if constexpr (kHalf) {
+          t_copy.scale_back(acc);
+          add_masked_times<kHalf, true, true>(acc, score, kt);
+          wait<0>();
+          ring.release_any_path(it, chunks);
+          t_copy.post_max(t_copy.rows(t));
+        }
+        store_rows<kHalf>(acc, factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+        if constexpr (!kHalf) {
+          wait<0>();
+          ring.release_any_path(it, chunks);
+        }
+        dq_sync();  // every warp's wgmma has read T's copy
+        t_copy.publish(t_copy.rows(t));
+      }
+      return;
+    }
+  }
   auto consumers_sync = [] { named_sync(kConsumersBarrier, kThreads); };
   // D += dO^T Q over the chunks of a summing walk
   // (kNormalize, state-only blocks: e += the extra row's sums as well, read by no other warp here)
@@ -1982,7 +2092,11 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   ProducedRing<kStages> ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     fence_shared_writes();  // the state's copy, made at the end of the chunk before
-    ring.wait();
+    if constexpr (kWithDq) {
+      ring.wait_any_path();
+    } else {
+      ring.wait();
+    }
     const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
                    dt = tile_of(ring.slot, 3);
     const int64_t t0 = chunk_begin(it);
@@ -2028,7 +2142,13 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
     commit();
     wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
-    auto release = [&] { ring.release(it, chunks); };
+    auto release = [&] {
+      if constexpr (kWithDq) {
+        ring.release_any_path(it, chunks);
+      } else {
+        ring.release(it, chunks);
+      }
+    };
     if constexpr (kHalf) {
       copy.scale_back(acc);
       add_extra_row();
