@@ -204,8 +204,10 @@ if has sanitize; then
   # states in and out on the wgmma kernels (a start into every segment, the end from the last)
   sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
   # the one-pass backward (wgmma_grad_kv_kernel's kWithDq: two consumer warpgroups of different
-  # code on one ring, their barriers not .aligned): a partial chunk, E != M, one chunk alone
-  sanitize one_pass "test_one_pass_backward and not states and not kept and (B2H3L333E40M24 or B1H1L64E64M64) and bhld" tests/test_wgmma.py
+  # code on one ring, their barriers not .aligned): a partial chunk, E != M, one chunk alone, in
+  # segments (one launch's look-back and summing walk, the dq warpgroup idle through it), and in
+  # three launches (its state-only blocks)
+  sanitize one_pass "test_one_pass_backward and not states and not kept and one-pass and bhld and (B2H3L333E40M24 or B1H1L64E64M64 or B2H2L4100E64M64 and three)" tests/test_wgmma.py
   # the normalized 16-bit kernels (KeySums, the extra rows): one atom on one warpgroup, two atoms on
   # two (outputs staged over the copy), four split between two (their row sums exchanged), segments,
   # dk and dv as two reverse passes (q / den divided by the producer);

@@ -110,6 +110,9 @@ struct BackwardParams : ForwardParams {
   // key sum before each, [num_seqs * H, segments, E] (nullptr unless the forward tracked it).
   // The dq pass's state is [S^T; z^T], so its segments may start from these. (launch_backward_cuda
   // points the dv pass's copy of these at the dk pass's starts, dO^T q, where it kept them.)
+  // Where the forward decided on the one-pass backward (one_pass_backward in
+  // csrc/cuda/dispatch.cuh), forward_segment_kv holds each segment's end instead, the initial
+  // state included, and forward_segments may be 1.
   const void* forward_segment_kv = nullptr;
   const void* forward_segment_k_sum = nullptr;
   int64_t forward_segments = 0;

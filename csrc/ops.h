@@ -19,8 +19,9 @@ namespace fast_causal_attn {
 // from these instead of summing K^T V again. Undefined where the forward kept none (not asked to
 // (keep_segments), one segment, the CPU, families other than the tensor-core one, whose segments
 // are 64 timesteps apart). Where the backward will run in one pass (16-bit, E and M up to 64:
-// one_pass_backward in csrc/cuda/dispatch.cuh), in any count of segments: count 1, kv the forward's
-// end state (the initial state plus the sum of K^T V), from which that pass takes dq's state down.
+// one_pass_backward in csrc/cuda/dispatch.cuh): each segment's end instead, one segment or more
+// (the initial state plus the sum of K^T V up to the segment's end), from which that pass takes
+// dq's state down in the same segments.
 struct ForwardSegments {
   at::Tensor kv, k_sum;
   int64_t count = 0;  // a plan's (plan_forward_segments): the segments kv would hold, 0 for none

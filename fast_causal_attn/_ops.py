@@ -76,7 +76,8 @@ def _forward_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, normali
     out = v.new_empty(v.shape)
     den = q.new_empty(_bhl(q, layout) if normalize else (0,), dtype=acc)
     kv_shape, k_sum_shape = _state_shapes(q, v, layout, cu_seqlens) if return_final_state else ((0,), (0,))
-    # The segment starts kept for the dq pass: how many segments the CUDA kernels split time into
+    # The segment starts kept for the dq pass (their ends, where the 16-bit backward runs in one
+    # pass: one segment or more): how many segments the CUDA kernels split time into
     # depends on the device (its multiprocessors, the kernel's occupancy). With static shapes the
     # library plans the count ahead, as the real call decides it (plan_forward_segments); with
     # symbolic ones it is a size only the real call knows. None without keep_segments, and none
@@ -120,11 +121,12 @@ def _attention_fake(q, k, v, initial_kv, initial_k_sum, cu_seqlens, scale, norma
 
 
 def _keep_segments(q, v):
-    """Whether the forward keeps its segment starts for the dq pass (CUDA): always in eager mode
+    """Whether the forward keeps its segment starts for the dq pass, or their ends for the one-pass
+    backward (CUDA): always in eager mode
     and, compiled, where the shapes are static, when their count is planned ahead
     (_planned_segments). With symbolic shapes it would be a size only the real call knows, and
     such a size keeps CUDA graphs (mode="reduce-overhead") off the whole graph: there the dq pass
-    sums its segments itself."""
+    sums its segments itself (and the backward runs as two passes)."""
     return not torch.compiler.is_compiling() or _static_shapes(q, v)
 
 

@@ -61,15 +61,17 @@ def wgmma_passes(names):
 def test_training_step_takes_the_wgmma_kernels(dtype, monkeypatch):
     """At any count of (batch, head) pairs (a few, one for each multiprocessor, two for each) the
     forward runs on the wgmma kernel (Pass 0) and dk with dv on its fused reverse pass, with no
-    mma.sync kernel; dq on the wgmma kernel (Pass 1), or beside dk and dv in their pass where the
-    pairs fill 7 / 16 of the multiprocessors or more, 7 / 8 in float16 (one_pass_backward; the
-    forward in one segment at 200 steps); FAST_CAUSAL_ATTN_WGMMA=0 turns it off."""
+    mma.sync kernel; dq beside dk and dv in their pass (one_pass_backward), or with
+    FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 on the wgmma kernel (Pass 1); FAST_CAUSAL_ATTN_WGMMA=0
+    turns them off."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for B, H in ((1, 1), (2, 3), (4, 16), (1, sms), (2, sms)):
         names = training_step_kernels(B, H, dtype)
-        one_pass = 16 * B * H >= (14 if dtype == torch.float16 else 7) * sms
-        assert wgmma_passes(names) == ({"0"} if one_pass else {"0", "1"}), (B, H, names)
-        assert bool(one_pass_launches(names)) == one_pass, (B, H, names)
+        assert wgmma_passes(names) == {"0"} and one_pass_launches(names) == 1, (B, H, names)
+        with monkeypatch.context() as two_passes:
+            two_passes.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
+            names = training_step_kernels(B, H, dtype)
+        assert wgmma_passes(names) == {"0", "1"} and one_pass_launches(names) == 0, (B, H, names)
         assert any("wgmma_grad_kv_kernel" in n for n in names), (B, H, names)
         assert not any("tensorcore_product_kernel" in n for n in names), (B, H, names)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", "0")
@@ -230,42 +232,78 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
 
 
+def segment_ends(k, v, kv0, count):
+    """The state sum k^T v at each of `count` time segments' ends (the kernels' split of L into
+    segments of whole 64-step chunks, segment_length in csrc/cuda/kernel_common.cuh), from kv0 (or
+    zeros), in float64: [B * H, count, E, M]."""
+    B, H, L, E = k.shape
+    length = -(-(-(-L // count)) // 64) * 64  # ceil(ceil(L / count) / 64) * 64
+    kv = torch.zeros(B, H, E, v.shape[-1], dtype=torch.float64, device=k.device) if kv0 is None else kv0.double()
+    ends, begin = [], 0
+    for j in range(count):
+        end = min((j + 1) * length, L)
+        kv = kv + k[:, :, begin:end].double().transpose(-1, -2) @ v[:, :, begin:end].double()
+        ends.append(kv)
+        begin = end
+    return torch.stack(ends, dim=2).flatten(0, 1)
+
+
 @CUDA
 @SM90
 @EXPECT_WGMMA
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_one_pass_backward_where_the_forward_kept_its_end(dtype, monkeypatch):
-    """The one-pass backward runs where the forward kept its end state (16-bit, E and M up to 64,
-    no normalizer: count 1 in segment_kv, the plan's too, in place of the segments' starts): by
-    default where the pairs fill 7 / 16 of the multiprocessors (7 / 8 in float16), forced at any count
-    (FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=1), the forward in one segment or several; not with
-    fewer pairs (the forward keeps its starts for dq), nor with =0, nor under normalize, nor E
-    above 64."""
+def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
+    """The forward keeps its time segments' ends for the one-pass backward (16-bit, E and M up to
+    64, no normalizer; one_pass_backward) in place of their starts, at any pair count, in one
+    segment or up to 16 (the plan's count too; above 16 the starts, and two passes): each the initial state plus k^T v up to the segment's
+    end, within float32's rounding of float64; and the backward then runs the one pass (dq beside
+    dk and dv: no dq pass). (Its results: test_one_pass_backward.) Not with FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments' starts,
+    for the dq pass), nor under normalize, nor with E above 64."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
-    def kept(B, H, L, E=64, M=64):
+    def check_ends(B, H, L, E=64, M=64, with_state=False):
         q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda")
-        return torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+        kv0, k_sum0 = (torch.randn(B, H, E, M, device="cuda"), torch.randn(B, H, E, device="cuda")) if with_state \
+            else (None, None)
+        kept = torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+        assert kept.shape[0] == B * H and kept.shape[1] >= 1 and kept.shape[2:] == (E, M), kept.shape
+        exact = segment_ends(k, v, kv0, kept.shape[1])
+        assert relative_error(kept, exact) <= 1e-5, (B, H, L, E, M, kept.shape)
+        names = training_step_kernels(B, H, dtype, L, E, M)  # (many segments: a state-only launch of it too)
+        assert one_pass_launches(names) >= 1 and wgmma_passes(names) == {"0"}, (B, H, L, E, M, names)
+        return kept.shape[1]
 
-    assert kept(1, sms, 300).shape == (sms, 1, 64, 64)
-    assert one_pass_launches(training_step_kernels(1, sms, dtype, 300)) == 1
-    assert kept(2, 3, 2048).shape[1] > 1  # few pairs: the forward in segments, dq from their starts
-    assert one_pass_launches(training_step_kernels(2, 3, dtype, 2048)) == 0
-    assert kept(1, sms, 300, 128, 64).shape[1] == 0  # E above 64
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
-    assert kept(2, 3, 2048).shape == (6, 1, 64, 64)  # the forward in segments, its end kept
-    assert one_pass_launches(training_step_kernels(2, 3, dtype, 2048)) == 1
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "1")
-    assert kept(2, 3, 300, 40, 24).shape == (6, 1, 40, 24)
-    assert one_pass_launches(training_step_kernels(2, 3, dtype, 300, 40, 24)) == 1
+    assert check_ends(1, sms, 300) == 1
+    assert check_ends(2, 3, 2048, with_state=True) > 1  # few pairs: the forward in segments
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    assert check_ends(2, 3, 300, 40, 24, with_state=True) == 3
+    assert check_ends(1, 2, 4100, 64, 48) == 3
+    # above 16 segments (17 of 4100 steps) the starts, for the two passes
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "20")
+    q, k, v = make_inputs(1, 2, 4100, 64, 64, dtype=dtype, device="cuda")
+    starts = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    assert starts.shape[1] == 17, starts.shape
+    assert relative_error(starts[:, 1:], segment_ends(k, v, None, 17)[:, :-1]) <= 1e-5
+    names = training_step_kernels(1, 2, dtype, 4100)
+    assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
+    monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
+    q, k, v = make_inputs(1, sms, 300, 128, 64, dtype=dtype, device="cuda")
+    kept = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    assert kept.shape[1] == 0  # E above 64: one segment, no starts kept
     q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 64, 64, dtype=dtype, device="cuda", normalize=True))
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         torch.autograd.grad(out.float().sum(), (q, k, v))
     assert one_pass_launches(names) == 0, names
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
-    assert kept(1, sms, 300).shape[1] == 0
-    names = training_step_kernels(1, sms, dtype, 300)
+    q, k, v = make_inputs(2, 3, 2048, 64, 64, dtype=dtype, device="cuda")
+    starts = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    count = starts.shape[1]
+    assert count > 1
+    # the starts: the ends shifted one segment on, the first zeros
+    ends = segment_ends(k, v, None, count)
+    assert relative_error(starts[:, 1:], ends[:, :-1]) <= 1e-5 and starts[:, 0].abs().max() == 0
+    names = training_step_kernels(2, 3, dtype, 2048)
     assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
 
 
@@ -274,19 +312,27 @@ def test_one_pass_backward_where_the_forward_kept_its_end(dtype, monkeypatch):
 @EXPECT_WGMMA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("segments", ["1", "3", "3-three-launches", "20"])
+@pytest.mark.parametrize("backward", ["one-pass", "two-passes"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (2, 1, 130, 8, 64), (3, 2, 64, 64, 8),
                                    (1, 1, 64, 64, 64), (2, 2, 4100, 64, 64)], ids=shape_id)
-def test_one_pass_backward(shape, layout, segments, dtype, monkeypatch):
-    """The one-pass backward (forced at these few pairs), the forward in one segment or three (its
-    end written by the last segment's blocks): dq from the state taken down from the forward's
-    end, whole and partial last chunks, a sequence of one chunk, E != M, both layouts, two scales:
-    the output and each gradient within the dtype's bound of float64 (check_against_reference).
-    (test_one_pass_backward_where_the_forward_kept_its_end counts the launches: not here, where
-    the sanitizer subset runs it, under which the profiler sees no kernels.)"""
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
-    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch):
+    """The one-pass backward in the forward's time segments, 1 or 3 (one launch: D's starts by
+    look-back, the dq warpgroup idle through the summing walk), 3 in three launches
+    (FAST_CAUSAL_ATTN_ONE_LAUNCH=0: the state-only launch of the same kernel, the scan, the pass)
+    or 20 asked (17 at 4100 steps: above 16 the forward keeps its starts and the backward runs
+    as two passes; below it, as many segments as there are chunks): dq from the state taken down from its
+    segment's end, whole and partial last chunks, a sequence of one chunk, E != M, both layouts,
+    two scales; and the two passes it replaces (FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0: dq from the
+    forward's segment starts, dk with dv): the output and each gradient within the dtype's bound
+    of float64 (check_against_reference). (test_one_pass_backward_where_the_forward_kept_its_ends
+    counts the launches: not here, where the sanitizer subset runs it, under which the profiler
+    sees no kernels.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1" if backward == "one-pass" else "0")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments.split("-")[0])
+    if segments.endswith("three-launches"):
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
@@ -300,10 +346,10 @@ def test_one_pass_backward(shape, layout, segments, dtype, monkeypatch):
 @pytest.mark.parametrize("segments", ["1", "3"])
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 3, 200, 40, 24)], ids=shape_id)
 def test_one_pass_backward_with_states(shape, segments, dtype, monkeypatch):
-    """The one-pass backward from a given state with the final state out (its end, from which dq's
-    state is taken down, holds the initial state; dk and dv start from the final state's gradient
-    and end at the initial one's; the key sum's gradient passes through), scale 0.7, forced at
-    these few pairs, the forward in one segment or three: every result within its bound
+    """The one-pass backward from a given state with the final state out (the forward's segment
+    ends, from which dq's state is taken down, hold the initial state; dk and dv start from the
+    final state's gradient and end at the initial one's; the key sum's gradient passes through),
+    scale 0.7, the forward in one segment or three: every result within its bound
     (check_state_call); and it ran."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
@@ -545,8 +591,9 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
     """A call captured into a CUDA graph replays without the host's cost of issuing it, so that
     only the GPU's time decides (one_launch_segments): a forward and backward captured at 9 to 16
     segments take the three launches (the state-only launch, the scan, the pass), where an eager
-    call takes one launch, and at 8 one launch either way. The replay's output and gradients are
-    the eager call's to bfloat16 rounding (the two ways' starts agree to float32 rounding)."""
+    call takes one launch, and at 8 one launch either way (the backward is the one pass: dk, dv
+    and dq in its kernel, no dq pass). The replay's output and gradients are the eager call's to
+    bfloat16 rounding (the two ways' starts agree to float32 rounding)."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(2, 4, 4096, 64, 64, dtype=torch.bfloat16, device="cuda")
     grad_out = torch.randn_like(v)
@@ -575,10 +622,11 @@ def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
     three = segments == "16"
     assert launches_of(eager_counts, "scan_segments") == 0, eager_counts
     assert launches_of(eager_counts, "grad_kv") == 1, eager_counts
-    assert launches_of(eager_counts, "wgmma_product_kernel") == 2, eager_counts
+    # (the forward; dq beside dk and dv: the one-pass backward)
+    assert launches_of(eager_counts, "wgmma_product_kernel") == 1, eager_counts
     assert launches_of(replay_counts, "scan_segments") == (2 if three else 0), replay_counts
     assert launches_of(replay_counts, "grad_kv") == (2 if three else 1), replay_counts
-    assert launches_of(replay_counts, "wgmma_product_kernel") == (3 if three else 2), replay_counts
+    assert launches_of(replay_counts, "wgmma_product_kernel") == (2 if three else 1), replay_counts
     for name, x, y in zip(("out", "grad_q", "grad_k", "grad_v"), captured, eager):
         assert relative_error(x, y) <= ERROR_FLOOR[torch.bfloat16], name
 

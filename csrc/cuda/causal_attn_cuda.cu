@@ -191,7 +191,7 @@ ForwardSegments launch_forward_cuda(const ForwardParams& params) {
     run_decode_step(p, stream);
     return {};
   }
-  p.one_pass = p.keep_segments && one_pass_backward_takes(p);  // (its end kept for the backward)
+  p.one_pass = p.keep_segments && one_pass_backward_takes(p);  // (its segments' ends kept for the backward)
   return run_forward_pass(p, stream);
 }
 
@@ -224,15 +224,20 @@ void launch_backward_cuda(const BackwardParams& params) {
                                       [&] { launch_backward_prepare<scalar_t>(p, stream); });
     }
   }
-  // The one-pass backward, from the forward's kept end (forward_segments 1): dk, dv
-  // and dq in one launch (one_pass_backward). It runs wherever the forward decided to keep that
-  // end: the two decide alike, and where not (a state's scale out of wgmma_takes' range), dq and
-  // dk-with-dv run as below and the end goes unread.
-  if (p.forward_segments == 1 && one_pass_backward_takes(p)) {
+  // The one-pass backward (one_pass_backward), from the forward's segment ends, which the
+  // forward kept where it decided on it (the two decide alike): dk, dv and dq in one launch (or
+  // three in many segments, as dk-with-dv's). Where it cannot run after all (a given final
+  // state's gradient with |scale| outside wgmma_takes' range), dq and dk-with-dv run as below,
+  // dq summing its own segments: the ends are no starts.
+  if (p.forward_segments >= 1 && p.forward_segments <= KernelParams::kMaxOnePassSegments && one_pass_backward_takes(p)) {
     p.one_pass = true;
-    TORCH_CHECK(run_grad_kv_pass(p, stream), "fast_causal_attn: internal: the one-pass backward did not run");
-    add_grad_initial_k_sum(p, stream);
-    return;
+    if (run_grad_kv_pass(p, stream)) {
+      add_grad_initial_k_sum(p, stream);
+      return;
+    }
+    p.one_pass = false;
+    p.forward_segments = 0;
+    p.forward_segment_kv = nullptr;
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200

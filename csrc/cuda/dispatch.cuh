@@ -277,17 +277,29 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 
 // Whether the backward makes dk, dv and dq in one reverse pass (wgmma_grad_kv_kernel's kWithDq:
 // q, k, v and dO read once, 7 tensors where dk-with-dv and the dq pass move 10) from the forward's
-// end state, which the forward then keeps (KernelParams::one_pass): 16-bit, E and M up to 64, no
-// normalizer, no packed sequences, where dk with dv runs on the wgmma kernel (run_grad_kv). The
-// forward keeps its end in place of its segments' starts (launch_backward_cuda asks for it). One
-// block a pair walks the whole sequence, so its chain (about 1.8 us a chunk) bounds it where the pairs are few: bf16
-// 4,16,8192,64 (64 pairs) 0.230 ms on 64 blocks against dk-with-dv and dq's 0.265 in segments,
-// 8,16,2048,64 0.095 against 0.120 (H100 prototype, RESULTS.md, sixty-first session); from those
-// two ends the crossover is near 56 pairs on 132 multiprocessors (the two kernels' time about
-// proportional to the pairs, the one pass's to the length alone), so it takes 7 / 16 of the
-// multiprocessors' count or more. FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off, =1 takes it
-// at any pair count (for measuring and the tests). The forward and the backward decide alike (a
-// state given only to the backward changes nothing here but wgmma_takes' scale range).
+// segment ends, which the forward then keeps (KernelParams::one_pass, segment_ends): 16-bit, E
+// and M up to 64, no normalizer, no packed sequences, where dk with dv runs on the wgmma kernel
+// (run_grad_kv). It runs in the forward's time segments, dq's state in each taken down from its
+// segment's end, D's from the segments after it as dk-with-dv's (one launch's look-back, or the
+// state-only launch and the scan).
+// Measured: in one segment (H100, RESULTS.md, sixty-second session) fwd+bwd bf16 8,16,2048,64
+// 0.178 -> 0.149 ms, 16,16,2048,64 0.335 -> 0.277, 4,16,8192,64 (64 pairs, one block each over
+// 128 chunks) 0.408 -> 0.380; float16 alike but at 4,16,8192,64, 0.412 -> 0.425 (dq's product
+// with T's second part, which the long chain did not hide). The prototype in segments, each
+// segment's starts given (untimed): bf16 4,16,8192,64 in 2 segments 0.188 against the one pass's
+// 0.231 in one; 2,4,8192,64 in 16 0.028 against the two kernels' 0.052; 1,8,16384,64 0.051
+// against 0.086. In the library (H100, sixty-second session; kernels' ms, one pass against
+// dk-with-dv + dq): bf16 8,16,2048,64 0.090 / 0.117, 4,16,8192,64 (4 segments) 0.209 / 0.259,
+// 2,4,8192,64 (16) 0.040 / 0.050, 8,16,2048,64,32 0.073 / 0.093; float16 alike. So it runs at
+// every pair count, in up to KernelParams::kMaxOnePassSegments (16) of the forward's segments:
+// at 1,8,16384,64 the forward's 32 (three launches, a state-only launch on the three-warpgroup
+// kernel) took 0.144 ms of GPU time fwd+bwd against the two passes' 0.138 (float16 0.148 against
+// 0.140); there the forward keeps its starts and the backward runs two passes.
+// FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off (=1, the default, is accepted).
+// A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
+// p as given, its pass's states not set), so that the forward and the backward decide alike;
+// where the backward's states keep the kernel off after all, launch_backward_cuda runs the two
+// passes.
 template <typename scalar_t>
 bool one_pass_backward(const KernelParams& p) {
   if constexpr (!kWgmmaInput<scalar_t>) {
@@ -299,15 +311,7 @@ bool one_pass_backward(const KernelParams& p) {
     const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
     if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
     if (p.normalize || p.cu_seqlens != nullptr || p.E > 64 || p.M > 64 || forced_family() != Family::Default) return false;
-    if (!wgmma_takes<Pass::GradKV, scalar_t>(with_state_io<Pass::GradKV>(p), p.M, p.E)) return false;
-    const bool forced = switch_ != nullptr && std::strcmp(switch_, "1") == 0;
-    // float16's dq multiplies by T's copy in two parts (a product more a chunk): at 4,16,8192,64
-    // (64 pairs) its one pass took 0.279 ms against the two kernels' 0.266, fwd+bwd 0.425 against
-    // 0.412, where bfloat16's gained (0.380 against 0.408); at 8,16,2048,64 (128 pairs) it gained
-    // as bfloat16 did, 0.154 against 0.183 (H100, RESULTS.md, sixty-second session). So float16
-    // takes it from 7 / 8 of the multiprocessors' count.
-    const int64_t sixteenths = std::is_same_v<scalar_t, at::Half> ? 14 : 7;
-    return forced || 16 * p.num_seqs * p.H >= sixteenths * multiprocessor_count();
+    return wgmma_takes<Pass::GradKV, scalar_t>(p, p.M, p.E);
   }
 }
 

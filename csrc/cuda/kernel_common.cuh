@@ -34,11 +34,16 @@ struct KernelParams : BackwardParams {
   // the dk pass after it.
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
   bool dots_in_grad_q = false;
-  // The one-pass backward (one_pass_backward in dispatch.cuh): in the forward, keep the end state
-  // (ForwardSegments with count 1, in place of the segments' starts); in the backward, dk, dv and
-  // dq in one reverse pass over the whole sequence (wgmma_grad_kv_kernel's kWithDq) from that end
+  // The one-pass backward (one_pass_backward in dispatch.cuh): in the forward, keep each time
+  // segment's end state (ForwardSegments [B * H, S, E, M], in place of the segments' starts:
+  // segment_ends); in the backward, dk, dv and dq in one reverse pass (wgmma_grad_kv_kernel's
+  // kWithDq) in the forward's segments, dq's state in each taken down from its segment's end
   // (forward_segment_kv).
   bool one_pass = false;
+  static constexpr int64_t kMaxOnePassSegments = 16;  // (one_pass_backward in dispatch.cuh)
+  // The forward's segment ends, where it keeps them for the one pass: [B * H, segments, Da, Dc],
+  // the given start included (each pass block stores the state it ends with).
+  float* segment_ends = nullptr;
 
   // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).

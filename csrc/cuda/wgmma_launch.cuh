@@ -407,15 +407,16 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
   // (none under normalize: its one-launch sums would need the key sums too)
-  const auto one_launch_kernel = [atoms, groups, wide, normalize]() -> decltype(kernel) {
+  const auto one_launch_kernel = [atoms, groups, wide, normalize, one_pass = p.one_pass]() -> decltype(kernel) {
     if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
-      (void)atoms, (void)groups, (void)wide, (void)normalize;
+      (void)atoms, (void)groups, (void)wide, (void)normalize, (void)one_pass;
       return nullptr;
     } else if constexpr (P == Pass::GradKV) {
       (void)atoms, (void)groups;
+      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, true, false, true>;
       return wide || normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
-      (void)wide;
+      (void)wide, (void)one_pass;
       return atoms == 1 && groups == 1 && !normalize ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
     }
   }();
@@ -445,17 +446,22 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  // (the one-pass backward: one segment, from the forward's end)
-  const int64_t segments = one_pass ? 1 : wgmma_segments(p, blocks, smem);
+  // (the one-pass backward: in the forward's segments, dq from their ends)
+  const int64_t segments = one_pass ? p.forward_segments : wgmma_segments(p, blocks, smem);
   const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
-  // The forward's end state kept for the one-pass backward (written by its last segment's blocks),
-  // in place of its segments' starts: that backward runs no dq pass
-  const bool keeps_end = P == Pass::Forward && p.one_pass && p.keep_segments;
-  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_end ? 1 : count > 1 ? count : 0) : 0};
-  at::Tensor kept_end;
-  if (keeps_end) {
-    kept_end = at::empty({pairs, 1, Da, Dc}, float_options());
-    if (p.end_state == nullptr) p.end_state = kept_end.data_ptr();  // (else copied from the final state after the pass)
+  TORCH_CHECK(!one_pass || count == p.forward_segments, "fast_causal_attn: segment_kv holds ", p.forward_segments,
+              " segment ends, which no forward of ", p.L, " timesteps makes");
+  // The forward's segment ends kept for the one-pass backward (each pass block's state at its
+  // segment's end: KernelParams::segment_ends), in place of their starts: that backward runs no
+  // dq pass. One segment or more: the plan's count too. (Above kMaxOnePassSegments the backward
+  // runs two passes: the starts kept for dq.)
+  const bool keeps_ends =
+      P == Pass::Forward && p.one_pass && p.keep_segments && count <= KernelParams::kMaxOnePassSegments;
+  if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_ends ? count : count > 1 ? count : 0) : 0};
+  at::Tensor kept_ends;
+  if (keeps_ends) {
+    kept_ends = at::empty({pairs, count, Da, Dc}, float_options());
+    p.segment_ends = kept_ends.data_ptr<float>();
   }
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // The state-only launch in heads and tails where its blocks would leave multiprocessors idle
@@ -504,13 +510,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
   if constexpr (P == Pass::Forward) {
-    if (keeps_end) {
-      if (p.end_state != kept_end.data_ptr()) {
-        C10_CUDA_CHECK(cudaMemcpyAsync(kept_end.data_ptr(), p.end_state, size_t(pairs * Da * Dc) * sizeof(float),
-                                       cudaMemcpyDeviceToDevice, stream));
-      }
-      return {kept_end, at::Tensor(), 1};
-    }
+    if (keeps_ends) return {kept_ends, at::Tensor(), count};
     if (p.keep_segments) return workspace.kept();
   }
   if constexpr (P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv

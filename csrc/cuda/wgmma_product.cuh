@@ -251,6 +251,11 @@ __device__ __forceinline__ void named_sync(int id, int threads) {
 __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// named_arrive for a barrier that warpgroups running different code share (not .aligned: see
+// ProducedRing::wait_any_path)
+__device__ __forceinline__ void any_path_arrive(int id, int threads) {
+  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // This warpgroup's registers a thread set to kCount (setmaxnreg; every warp of the warpgroup runs
 // it): a producer gives back what its consumers take, within the block's allocation at launch.
 template <int kCount>
@@ -1804,8 +1809,16 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     }
   }
   const SegmentEnd<float> end(p, work.pair, work.segment, Da, Dc, kReverse, P == Pass::Forward, work.piece);
+  // (the forward's segment ends, for the one-pass backward: KernelParams::segment_ends)
+  float* const kept_end =
+      P == Pass::Forward && p.segment_ends != nullptr && !state_only
+          ? p.segment_ends + (work.pair * p.segments + work.segment) * Da * Dc
+          : nullptr;
 #pragma unroll
-  for (int a = 0; a < kStateAtoms; ++a) store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
+  for (int a = 0; a < kStateAtoms; ++a) {
+    store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
+    store_end(state[a], kept_end, Da, Dc, row0 + 64 * a, m0);
+  }
   // kNormalize: the key sum's end (the owners' columns of z, their own writes; kSplitRows: the
   // forward's each group its half, dq's the first group's)
   if constexpr (kNormalize && P == Pass::Forward) {
@@ -1832,19 +1845,23 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (the walks that
 // only sum: q and dO, in a deeper ring) as wgmma_product_kernel's.
 //
-// kWithDq (the one-pass backward: one segment, no normalizer, KernelParams::one_pass): a third
-// warpgroup makes dq on the same staged chunks, from the state taken down from the sequence's end:
+// kWithDq (the one-pass backward: no normalizer, KernelParams::one_pass): a third warpgroup makes
+// dq on the same staged chunks, from the state taken down from its segment's end:
 //
 //   dq_c = dO_c S(c + 1) - U(dO_c v_c^T) k_c,   S(c) = S(c + 1) - v_c^T k_c
 //
 // (S(c): the sum of v^T k over the chunks before chunk c, M x E, the forward's state transposed;
-// U: the scores of s > t kept, the diagonal not). With T = -S(c + 1), from minus the forward's end
-// state (KernelParams::forward_segment_kv, which holds the initial state too): dq = -scale (dO T +
+// U: the scores of s > t kept, the diagonal not). With T = -S(c + 1), from minus the forward's
+// state at the segment's end (KernelParams::forward_segment_kv, the forward's segment ends, the
+// initial state in them): dq = -scale (dO T +
 // U(dO v^T) k), and T += v^T k behind each chunk's products. q, k, v and dO are then read once
 // for all three gradients: 7 tensors where this kernel and the dq pass move 10 (prototype, H100
 // bf16 8,16,2048,64: 0.095 ms against the two kernels' 0.120; RESULTS.md, sixty-first session).
 // T's copy is in two parts in float16 too (StateCopy's kTwoParts): its rounding stays off dq where
-// the chunk's own terms are taken back from its early rows.
+// the chunk's own terms are taken back from its early rows. In time segments (the forward's) the dq
+// warpgroup needs no sums: its start is the forward's; in the walks that only sum (state-only
+// blocks, one launch's first walk) it waits on and releases the ring's chunks beside the
+// dk-with-dv consumer, with nothing to do.
 template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false, bool kWithDq = false>  // (kOneLaunch: as wgmma_product_kernel's)
 __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -1853,7 +1870,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
   static_assert(!(kOneLaunch && kNormalize), "normalize: three launches (one launch's sums carry no extra row)");
-  static_assert(!(kWithDq && (kOneLaunch || kNormalize)), "the one-pass backward: one segment, no normalizer");
+  static_assert(!(kWithDq && kNormalize), "the one-pass backward: no normalizer");
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
 
   // Shared memory: the stage slots, the state copies (D's; kWithDq: T's after it), each consumer
@@ -1911,10 +1928,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   // named barriers: 1 the consumers', 2 on the produced rings' (the pass's or the sums'),
   // kSummed: one launch's walk done with its slots, which the pass's ring takes after it, and
   // (kNormalize) kLanded: every producer thread's copies of a chunk landed
-  // (kWithDq: no summing walks, so the dq warpgroup's own barrier takes the first of theirs past
-  // the pass's ring; the ring's barriers count its threads too)
+  // (kWithDq: the dq warpgroup's own barrier takes kLanded's, which has no use without the
+  // normalizer; the rings' barriers and kSummed count its threads too)
   constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kLanded = kSummed + 1,
-                kDqBarrier = kFull + 2 * kStages, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
+                kDqBarrier = kLanded, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
   static_assert(kLanded < 16, "named barriers");
   // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384)
   constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
@@ -1967,6 +1984,15 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   if constexpr (kWithDq) {
     registers_up_to<kConsumerRegisters>();
     if (warpgroup() == 2) {  // dq (see above): T = -S(c + 1), row m = 16 warp + g (+8), column e as D's
+      if (state_only || sums_first) {  // a walk that only sums: its chunks waited on and released
+        ProducedRing<kSumDepth> sums(kFull, kBlockThreads);
+        for (int64_t it = 0; it < chunks; ++it, sums.advance()) {
+          sums.wait_any_path();
+          sums.release_any_path(it, chunks);
+        }
+        if (state_only) return;
+        any_path_arrive(kSummed, kBlockThreads);  // (the pass's ring takes the slots after the walk)
+      }
       const Operands<Pass::GradQ, scalar_t, float> ops_q(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
       uint16_t* const q_staging = staging + kStagingBytes / sizeof(uint16_t);
       // T's copy in two parts in float16 too: its one part cost dq up to 1.4x dk's error where the
@@ -1975,8 +2001,9 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       StateCopy<kHalf, 1, 4, true> t_copy{base + (kStages * 4 + 2) * kTile, warp_max + 4};
       auto dq_sync = [] { named_sync(kDqBarrier, kThreads); };
       float t[32];
-      {  // minus the forward's end state [E, M], transposed
-        const float* const end = static_cast<const float*>(p.forward_segment_kv) + work.pair * E * M;
+      {  // minus the forward's state [E, M] at the segment's end, transposed (the forward's segments: p.segments)
+        const float* const end =
+            static_cast<const float*>(p.forward_segment_kv) + (work.pair * p.segments + work.segment) * E * M;
         const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -2034,7 +2061,11 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   auto consume_sums = [&] {
     ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      ring.wait();
+      if constexpr (kWithDq) {
+        ring.wait_any_path();
+      } else {
+        ring.wait();
+      }
       fence();
       add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));
       commit();
@@ -2044,7 +2075,11 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         extra.add(sums);
       }
       wait<0>();
-      ring.release(it, chunks);
+      if constexpr (kWithDq) {
+        ring.release_any_path(it, chunks);
+      } else {
+        ring.release(it, chunks);
+      }
     }
   };
 
@@ -2057,7 +2092,12 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
       consume_sums();
-      named_arrive(kSummed, kBlockThreads);  // (the pass's chunks staged while the flags are awaited)
+      // (the pass's chunks staged while the flags are awaited)
+      if constexpr (kWithDq) {
+        any_path_arrive(kSummed, kBlockThreads);
+      } else {
+        named_arrive(kSummed, kBlockThreads);
+      }
       store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
       lookback::publish(flags + work.segment, consumers_sync);
     }
