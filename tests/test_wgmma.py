@@ -232,6 +232,12 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
 
 
+def kept_segments(q, k, v, kv0=None, k_sum0=None):
+    """The forward op's kept segments (keep_segments: their starts, or their ends for the one-pass
+    backward), bhld, scale 1."""
+    return torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+
+
 def segment_ends(k, v, kv0, count):
     """The state sum k^T v at each of `count` time segments' ends (the kernels' split of L into
     segments of whole 64-step chunks, segment_length in csrc/cuda/kernel_common.cuh), from kv0 (or
@@ -255,17 +261,18 @@ def segment_ends(k, v, kv0, count):
 def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     """The forward keeps its time segments' ends for the one-pass backward (16-bit, E and M up to
     64, no normalizer; one_pass_backward) in place of their starts, at any pair count, in one
-    segment or up to 16 (the plan's count too; above 16 the starts, and two passes): each the initial state plus k^T v up to the segment's
-    end, within float32's rounding of float64; and the backward then runs the one pass (dq beside
-    dk and dv: no dq pass). (Its results: test_one_pass_backward.) Not with FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments' starts,
-    for the dq pass), nor under normalize, nor with E above 64."""
+    segment or up to 16 (the plan's count too; above 16 the starts, and two passes): each the
+    initial state plus k^T v up to the segment's end, within float32's rounding of float64; and
+    the backward then runs the one pass (dq beside dk and dv: no dq pass; its results:
+    test_one_pass_backward). Not with FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments'
+    starts, for the dq pass), nor under normalize, nor with E above 64."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def check_ends(B, H, L, E=64, M=64, with_state=False):
         q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda")
         kv0, k_sum0 = (torch.randn(B, H, E, M, device="cuda"), torch.randn(B, H, E, device="cuda")) if with_state \
             else (None, None)
-        kept = torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+        kept = kept_segments(q, k, v, kv0, k_sum0)
         assert kept.shape[0] == B * H and kept.shape[1] >= 1 and kept.shape[2:] == (E, M), kept.shape
         exact = segment_ends(k, v, kv0, kept.shape[1])
         assert relative_error(kept, exact) <= 1e-5, (B, H, L, E, M, kept.shape)
@@ -281,15 +288,13 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     # above 16 segments (17 of 4100 steps) the starts, for the two passes
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "20")
     q, k, v = make_inputs(1, 2, 4100, 64, 64, dtype=dtype, device="cuda")
-    starts = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    starts = kept_segments(q, k, v)
     assert starts.shape[1] == 17, starts.shape
     assert relative_error(starts[:, 1:], segment_ends(k, v, None, 17)[:, :-1]) <= 1e-5
     names = training_step_kernels(1, 2, dtype, 4100)
     assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
     monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
-    q, k, v = make_inputs(1, sms, 300, 128, 64, dtype=dtype, device="cuda")
-    kept = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
-    assert kept.shape[1] == 0  # E above 64: one segment, no starts kept
+    assert kept_segments(*make_inputs(1, sms, 300, 128, 64, dtype=dtype, device="cuda")).shape[1] == 0  # E above 64
     q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 64, 64, dtype=dtype, device="cuda", normalize=True))
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
@@ -297,7 +302,7 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     assert one_pass_launches(names) == 0, names
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
     q, k, v = make_inputs(2, 3, 2048, 64, 64, dtype=dtype, device="cuda")
-    starts = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    starts = kept_segments(q, k, v)
     count = starts.shape[1]
     assert count > 1
     # the starts: the ends shifted one segment on, the first zeros
