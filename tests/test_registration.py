@@ -196,11 +196,14 @@ def test_torch_compile_keeps_cuda_graphs(L):
         (torch.float32, (8, 16, 1024, 128, 128), False, False, {}, False),
         (torch.float16, (2, 4, 1, 64, 64), False, False, {}, False),
         (torch.bfloat16, (0, 4, 8192, 64, 64), False, False, {}, False),
+        (torch.bfloat16, (2, 4, 0, 64, 64), False, False, {}, False),
+        (torch.bfloat16, (2, 4, 0, 64, 64), False, True, {}, False),
         (torch.bfloat16, (2, 4, 8192, 64, 64), False, False, {"FAST_CAUSAL_ATTN_KERNEL": "chunked"}, False),
         (torch.bfloat16, (2, 4, 8192, 64, 64), False, False, {"FAST_CAUSAL_ATTN_SEGMENTS": "5"}, False),
     ],
     ids=["bf16", "bf16-E128-normalized", "bf16-small-state", "bf16-misaligned", "fp32-normalized", "fp32-E128",
-         "fp32-E128-recurrent", "fp16-decode", "empty-batch", "chunked", "forced-5"],
+         "fp32-E128-recurrent", "fp16-decode", "empty-batch", "empty-sequence", "empty-sequence-state", "chunked",
+         "forced-5"],
 )
 def test_planned_segments_are_the_forwards(dtype, shape, normalize, with_state, env, misaligned, monkeypatch):
     """The segment count the fake kernel plans for static shapes (torch.compile; _C.

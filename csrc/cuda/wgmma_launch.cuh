@@ -454,9 +454,10 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // The forward's segment ends kept for the one-pass backward (each pass block's state at its
   // segment's end: KernelParams::segment_ends), in place of their starts: that backward runs no
   // dq pass. One segment or more: the plan's count too. (Above kMaxOnePassSegments the backward
-  // runs two passes: the starts kept for dq.)
-  const bool keeps_ends =
-      P == Pass::Forward && p.one_pass && p.keep_segments && count <= KernelParams::kMaxOnePassSegments;
+  // runs two passes: the starts kept for dq. An empty sequence keeps none: ops.cpp may launch
+  // nothing there, and the plan must agree.)
+  const bool keeps_ends = P == Pass::Forward && p.one_pass && p.keep_segments && p.L > 0 &&
+                          count <= KernelParams::kMaxOnePassSegments;
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_ends ? count : count > 1 ? count : 0) : 0};
   at::Tensor kept_ends;
   if (keeps_ends) {
