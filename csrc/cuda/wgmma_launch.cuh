@@ -363,7 +363,9 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const int64_t row_tiles = kFloat ? tf32_row_tiles(Da) : 1;
   // dk and dv: above 64 (either of E, M), the state on two warpgroups
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
-  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32, one_pass = p.one_pass] {
+  // the one-pass backward: dq beside dk and dv (one_pass_backward)
+  const bool one_pass = P == Pass::GradKV && p.one_pass;
+  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32, one_pass] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
       // float16 heads and tails, or the heads alone where the user allowed TF32; the normalizer's
@@ -378,7 +380,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
-      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, false, false, true>;  // dq beside (one_pass_backward)
+      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, false, false, true>;
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
@@ -407,7 +409,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
   // (none under normalize: its one-launch sums would need the key sums too)
-  const auto one_launch_kernel = [atoms, groups, wide, normalize, one_pass = p.one_pass]() -> decltype(kernel) {
+  const auto one_launch_kernel = [atoms, groups, wide, normalize, one_pass]() -> decltype(kernel) {
     if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
       (void)atoms, (void)groups, (void)wide, (void)normalize, (void)one_pass;
       return nullptr;
@@ -424,7 +426,6 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // one group and a producer, or above 64 two groups (the wide kernel, which stages its own
   // chunks: a producer there measured slower, RESULTS.md, thirty-first session); the one-pass
   // backward a group more for dq, with its state's copy and staging rows
-  const bool one_pass = P == Pass::GradKV && p.one_pass;
   const int threads = kFloat              ? (wgmma_tf32::kConsumers + 1) * wgmma_tf32::kThreads
                       : P == Pass::GradKV ? (one_pass ? 3 : 2) * wgmma::kThreads
                                           : wgmma::kThreads * (groups + 1);
