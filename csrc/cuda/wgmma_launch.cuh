@@ -488,9 +488,12 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   if constexpr (kFloat) {
     if (const char* slots = std::getenv("FAST_CAUSAL_ATTN_TC_STATE_SLOTS")) p.deep_state_staging = std::atoi(slots) != 2;
   }
-  // dk with dv in one launch read no scanned starts and keep none: no regions for them
+  // A pass in one launch reads no scanned starts: regions for them only where the forward keeps
+  // its starts for the dq pass (which its blocks then store; not where it keeps its ends instead,
+  // nor where it keeps nothing)
+  const bool keeps_starts = P == Pass::Forward && p.keep_segments && !keeps_ends;
   const SegmentWorkspace workspace =
-      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !(P == Pass::GradKV && one_launch));
+      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !one_launch || keeps_starts);
   const int64_t tile_blocks = blocks / row_tiles;  // one row tile's
   if (kFloat && row_tiles_in_sequence(row_tiles, tile_blocks, p.segments)) {
     for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)

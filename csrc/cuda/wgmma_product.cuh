@@ -1536,9 +1536,12 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 #pragma unroll
     for (int a = 0; a < kStateAtoms; ++a) {
       add_segments_before(state[a], p.seg_sums + slot0 * Da * Dc, work.segment, 1, Da, Dc, row0 + 64 * a, m0);
-      // the start, where the scan would have left it: the dq pass's (the forward's kept starts)
-      store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
-                row0 + 64 * a, m0);
+      // the start, where the scan would have left it: the dq pass's (the forward's kept starts,
+      // where it keeps them: seg_state, else nullptr)
+      if (p.seg_state != nullptr) {
+        store_end(state[a], static_cast<float*>(p.seg_state) + (slot0 + work.segment) * Da * Dc, Da, Dc,
+                  row0 + 64 * a, m0);
+      }
       add_given_start(state[a], p, work.pair, Da, Dc, row0 + 64 * a, m0);  // (after the kept start: dq adds its own)
     }
   } else {
