@@ -244,17 +244,25 @@ __device__ __forceinline__ void wait() {
 }
 // Named barriers of `threads` threads (0 is __syncthreads'): sync waits for them all, arrive
 // counts this thread and goes on; the shared-memory writes before either are seen by the threads
-// that sync after.
+// that sync after. kAnyPath: for a barrier that warpgroups running different code share
+// (wgmma_grad_kv_kernel's kWithDq): bar.sync and bar.arrive are .aligned, every thread at a
+// barrier on the same instruction, which two code paths break (compute-sanitizer's synccheck:
+// "Divergent thread(s) in block"); barrier.sync and barrier.arrive (not .aligned) let them share it.
+template <bool kAnyPath = false>
 __device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  if constexpr (kAnyPath) {
+    asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  } else {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
 }
+template <bool kAnyPath = false>
 __device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// named_arrive for a barrier that warpgroups running different code share (not .aligned: see
-// ProducedRing::wait_any_path)
-__device__ __forceinline__ void any_path_arrive(int id, int threads) {
-  asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  if constexpr (kAnyPath) {
+    asm volatile("barrier.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  } else {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+  }
 }
 // This warpgroup's registers a thread set to kCount (setmaxnreg; every warp of the warpgroup runs
 // it): a producer gives back what its consumers take, within the block's allocation at launch.
@@ -429,8 +437,9 @@ struct StageRing {
 // barrier of `threads` threads (the producer's and the consumers'). kReuse: how many chunks on
 // the producer writes over what a chunk's products read (kDepth: its stage slot; fewer where it
 // also writes a shallower ring, as P's), so the consumers release the chunks that have a chunk
-// kReuse on. The consumers' ring (slot: their chunk it's).
-template <int kDepth, int kReuse = kDepth>
+// kReuse on. The consumers' ring (slot: their chunk it's); kAnyPath: consumer warpgroups that run
+// different code on it (named_sync's).
+template <int kDepth, int kReuse = kDepth, bool kAnyPath = false>
 struct ProducedRing : StageRing<kDepth> {
   static_assert(2 <= kReuse && kReuse <= kDepth, "a chunk's slots outlive its products");
   int full0, threads;
@@ -462,21 +471,9 @@ struct ProducedRing : StageRing<kDepth> {
   // The consumers: chunk it in `slot` for every consumer, seen by wgmma (with whatever each wrote
   // to shared memory before and fenced: fence_shared_writes); the slot released once the
   // chunk's products have run.
-  __device__ void wait() const { named_sync(full0 + this->slot, threads); }
+  __device__ void wait() const { named_sync<kAnyPath>(full0 + this->slot, threads); }
   __device__ void release(int64_t it, int64_t chunks) const {
-    if (it + kReuse < chunks) named_arrive(full0 + kDepth + this->slot, threads);
-  }
-  // The same for consumer warpgroups that run different code on one ring (wgmma_grad_kv_kernel's
-  // kWithDq): bar.sync and bar.arrive are .aligned, every thread at a barrier on the same
-  // instruction, which two code paths break (compute-sanitizer's synccheck: "Divergent thread(s)
-  // in block"); barrier.sync and barrier.arrive (not .aligned) let them share it.
-  __device__ void wait_any_path() const {
-    asm volatile("barrier.sync %0, %1;\n" ::"r"(full0 + this->slot), "r"(threads) : "memory");
-  }
-  __device__ void release_any_path(int64_t it, int64_t chunks) const {
-    if (it + kReuse < chunks) {
-      asm volatile("barrier.arrive %0, %1;\n" ::"r"(full0 + kDepth + this->slot), "r"(threads) : "memory");
-    }
+    if (it + kReuse < chunks) named_arrive<kAnyPath>(full0 + kDepth + this->slot, threads);
   }
 };
 
@@ -1936,6 +1933,9 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kLanded = kSummed + 1,
                 kDqBarrier = kLanded, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
   static_assert(kLanded < 16, "named barriers");
+  // the consumers' rings (kWithDq: two consumer warpgroups of different code on each)
+  using PassRing = ProducedRing<kStages, kStages, kWithDq>;
+  using SumRing = ProducedRing<kSumDepth, kSumDepth, kWithDq>;
   // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384)
   constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
   static_assert(!kWithDq || 2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / (3 * kThreads) / 8 * 8),
@@ -1953,7 +1953,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       }
     };
     auto produce_sums = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
-      ProducedRing<kSumDepth>(kFull, kBlockThreads)
+      SumRing(kFull, kBlockThreads)
           .produce(
               chunks,
               [&](int64_t it, int slot) {
@@ -1977,7 +1977,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     if (state_only) {  // the chunks from the last back to the first, as the pass's
       produce_sums(q_src, dout_src, chunk_begin, std::true_type{});
     } else {
-      ProducedRing<kStages>(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
+      PassRing(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
         divide_q(tile_of(slot, 0), slot, chunk_begin(it));
       });
     }
@@ -1988,13 +1988,13 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     registers_up_to<kConsumerRegisters>();
     if (warpgroup() == 2) {  // dq (see above): T = -S(c + 1), row m = 16 warp + g (+8), column e as D's
       if (state_only || sums_first) {  // a walk that only sums: its chunks waited on and released
-        ProducedRing<kSumDepth> sums(kFull, kBlockThreads);
+        SumRing sums(kFull, kBlockThreads);
         for (int64_t it = 0; it < chunks; ++it, sums.advance()) {
-          sums.wait_any_path();
-          sums.release_any_path(it, chunks);
+          sums.wait();
+          sums.release(it, chunks);
         }
         if (state_only) return;
-        any_path_arrive(kSummed, kBlockThreads);  // (the pass's ring takes the slots after the walk)
+        named_arrive<true>(kSummed, kBlockThreads);  // (the pass's ring takes the slots after the walk)
       }
       const Operands<Pass::GradQ, scalar_t, float> ops_q(p, work.seq.b, work.seq.h, nullptr, nullptr, work.seq.begin);
       uint16_t* const q_staging = staging + kStagingBytes / sizeof(uint16_t);
@@ -2018,10 +2018,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       }
       t_copy.publish_first(t_copy.rows(t), dq_sync);
       const float factor = -float(p.scale);
-      ProducedRing<kStages> ring(kFull, kBlockThreads);
+      PassRing ring(kFull, kBlockThreads);
       for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
         fence_shared_writes();  // T's copy, made at the end of the chunk before
-        ring.wait_any_path();
+        ring.wait();
         const uint32_t kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2), dt = tile_of(ring.slot, 3);
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
@@ -2044,13 +2044,13 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
           t_copy.scale_back(acc);
           add_masked_times<kHalf, true, true>(acc, score, kt);
           wait<0>();
-          ring.release_any_path(it, chunks);
+          ring.release(it, chunks);
           t_copy.post_max(t_copy.rows(t));
         }
         store_rows<kHalf>(acc, factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
         if constexpr (!kHalf) {
           wait<0>();
-          ring.release_any_path(it, chunks);
+          ring.release(it, chunks);
         }
         dq_sync();  // every warp's wgmma has read T's copy
         t_copy.publish(t_copy.rows(t));
@@ -2062,13 +2062,9 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   // D += dO^T Q over the chunks of a summing walk
   // (kNormalize, state-only blocks: e += the extra row's sums as well, read by no other warp here)
   auto consume_sums = [&] {
-    ProducedRing<kSumDepth> ring(kFull, kBlockThreads);
+    SumRing ring(kFull, kBlockThreads);
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-      if constexpr (kWithDq) {
-        ring.wait_any_path();
-      } else {
-        ring.wait();
-      }
+      ring.wait();
       fence();
       add_bt_times_c<kHalf>(d, sum_tile(ring.slot, 1), sum_tile(ring.slot, 0));
       commit();
@@ -2078,11 +2074,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         extra.add(sums);
       }
       wait<0>();
-      if constexpr (kWithDq) {
-        ring.release_any_path(it, chunks);
-      } else {
-        ring.release(it, chunks);
-      }
+      ring.release(it, chunks);
     }
   };
 
@@ -2095,12 +2087,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
       consume_sums();
-      // (the pass's chunks staged while the flags are awaited)
-      if constexpr (kWithDq) {
-        any_path_arrive(kSummed, kBlockThreads);
-      } else {
-        named_arrive(kSummed, kBlockThreads);
-      }
+      named_arrive<kWithDq>(kSummed, kBlockThreads);  // (the pass's chunks staged while the flags are awaited)
       store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
       lookback::publish(flags + work.segment, consumers_sync);
     }
@@ -2132,14 +2119,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   copy.publish_first(copy.rows(d), consumers_sync);
 
   const float factor = float(p.scale);
-  ProducedRing<kStages> ring(kFull, kBlockThreads);
+  PassRing ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     fence_shared_writes();  // the state's copy, made at the end of the chunk before
-    if constexpr (kWithDq) {
-      ring.wait_any_path();
-    } else {
-      ring.wait();
-    }
+    ring.wait();
     const uint32_t qt = tile_of(ring.slot, 0), kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2),
                    dt = tile_of(ring.slot, 3);
     const int64_t t0 = chunk_begin(it);
@@ -2185,26 +2168,19 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     add_bt_times_c<kHalf>(d, dt, qt);  // D += dO^T Q
     commit();
     wait<1>();  // the scores and V D (P Q too, behind V D); D's update may still run
-    auto release = [&] {
-      if constexpr (kWithDq) {
-        ring.release_any_path(it, chunks);
-      } else {
-        ring.release(it, chunks);
-      }
-    };
     if constexpr (kHalf) {
       copy.scale_back(acc);
       add_extra_row();
       add_masked_times<kHalf, true>(acc, score, qt);
       wait<0>();
-      release();
+      ring.release(it, chunks);
       copy.post_max(copy.rows(d));
     }
     if constexpr (kNormalize) extra.add_to_rows(acc);
     store_rows<kHalf>(acc, factor, staging, ops.out + t0 * ops.out_l, ops.out_l, n, E);
     if constexpr (!kHalf) {
       wait<0>();  // D's update, before its copy
-      release();
+      ring.release(it, chunks);
     }
     consumers_sync();  // every warp's wgmma has read the state copy (and e)
     if constexpr (kNormalize) extra.add(e_chunk);
