@@ -232,10 +232,14 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
 
 
+def keeping_forward(q, k, v, kv0=None, k_sum0=None):
+    """The forward op's results with its segments kept (keep_segments), bhld, scale 1."""
+    return torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)
+
+
 def kept_segments(q, k, v, kv0=None, k_sum0=None):
-    """The forward op's kept segments (keep_segments: their starts, or their ends for the one-pass
-    backward), bhld, scale 1."""
-    return torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)[4]
+    """The forward op's kept segments (their starts, or their ends for the one-pass backward)."""
+    return keeping_forward(q, k, v, kv0, k_sum0)[4]
 
 
 def segment_ends(k, v, kv0, count):
@@ -508,7 +512,7 @@ def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long(monkeypatc
     pairs = torch.cuda.get_device_properties(0).multi_processor_count // 2
     for L, expected in ((4096, 4), (1024, 2)):
         q, k, v = make_inputs(1, pairs, L, 64, 64, dtype=torch.bfloat16, device="cuda")
-        results = torch.ops.fast_causal_attn.forward(q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True)
+        results = keeping_forward(q, k, v)
         assert results[4].shape[1] == expected, (L, results[4].shape)
         exact, plain = (reference(q, k, v, dtype=dtype) for dtype in (torch.float64, torch.bfloat16))  # on the GPU
         assert relative_error(results[0], exact) <= max(2 * relative_error(plain, exact), ERROR_FLOOR[torch.bfloat16])
@@ -528,8 +532,7 @@ def launches_of(counts, part):
 
 def forward_launches(q, k, v):
     """The forward op's kernels (name -> launches) and its results, with its segment starts kept."""
-    results, counts = kernel_launches(lambda: torch.ops.fast_causal_attn.forward(
-        q, k, v, None, None, None, 1.0, False, 1e-6, "bhld", False, True))
+    results, counts = kernel_launches(lambda: keeping_forward(q, k, v))
     return counts, results
 
 
