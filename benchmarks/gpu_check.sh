@@ -206,8 +206,8 @@ if has sanitize; then
   # the one-pass backward (wgmma_grad_kv_kernel's kWithDq: two consumer warpgroups of different
   # code on one ring, their barriers not .aligned): a partial chunk, E != M, one chunk alone, in
   # segments (one launch's look-back and summing walk, the dq warpgroup idle through it), and in
-  # three launches (its state-only blocks)
-  sanitize one_pass "test_one_pass_backward and not states and not kept and one-pass and bhld and (B2H3L333E40M24 or B1H1L64E64M64 or B2H2L4100E64M64 and three)" tests/test_wgmma.py
+  # three launches (its state-only blocks), and in 9 segments of two of the forward's 18 each (one_pass_span)
+  sanitize one_pass "test_one_pass_backward and not states and not kept and bhld and (spanning or one-pass and (B2H3L333E40M24 or B1H1L64E64M64 or B2H2L4100E64M64 and three))" tests/test_wgmma.py
   # the normalized 16-bit kernels (KeySums, the extra rows): one atom on one warpgroup, two atoms on
   # two (outputs staged over the copy), four split between two (their row sums exchanged), segments,
   # dk and dv as two reverse passes (q / den divided by the producer);

@@ -265,8 +265,9 @@ def segment_ends(k, v, kv0, count):
 def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     """The forward keeps its time segments' ends for the one-pass backward (16-bit, E and M up to
     64, no normalizer; one_pass_backward) in place of their starts, at any pair count, in one
-    segment or up to 16 (the plan's count too; above 16 the starts, and two passes): each the
-    initial state plus k^T v up to the segment's end, within float32's rounding of float64; and
+    segment or many (the plan's count too; above 16 the one pass's segments span several, where
+    they fill half the multiprocessors, else the starts and two passes): each
+    the initial state plus k^T v up to the segment's end, within float32's rounding of float64; and
     the backward then runs the one pass (dq beside dk and dv: no dq pass; its results:
     test_one_pass_backward). Not with FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments'
     starts, for the dq pass), nor under normalize, nor with E above 64."""
@@ -289,8 +290,11 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     assert check_ends(2, 3, 300, 40, 24, with_state=True) == 3
     assert check_ends(1, 2, 4100, 64, 48) == 3
-    # above 16 segments (17 of 4100 steps) the starts, for the two passes
+    # above 16 segments (18 of 1100 steps) the one pass's each span two (9 in one launch), where
+    # its blocks fill at least half the multiprocessors (keeps_one_pass_ends): 2 * pairs * 9 >= sms
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "20")
+    assert check_ends(-(-sms // 36), 2, 1100, 64, 48, with_state=True) == 18
+    # with fewer pairs (17 of 4100 steps at 2) the starts, for the two passes
     q, k, v = make_inputs(1, 2, 4100, 64, 64, dtype=dtype, device="cuda")
     starts = kept_segments(q, k, v)
     assert starts.shape[1] == 17, starts.shape
@@ -330,9 +334,10 @@ def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch
     """The one-pass backward in the forward's time segments, 1 or 3 (one launch: D's starts by
     look-back, the dq warpgroup idle through the summing walk), 3 in three launches
     (FAST_CAUSAL_ATTN_ONE_LAUNCH=0: the state-only launch of the same kernel, the scan, the pass)
-    or 20 asked (17 at 4100 steps: above 16 the forward keeps its starts and the backward runs
-    as two passes; below it, as many segments as there are chunks): dq from the state taken down from its
-    segment's end, whole and partial last chunks, a sequence of one chunk, E != M, both layouts,
+    or 20 asked (as many as there are chunks; 17 at 4100 steps, where the 4 pairs are too few
+    for the one pass in 9 segments of two each, keeps_one_pass_ends: two passes, from the starts;
+    that one pass: test_one_pass_backward_spanning_the_forwards_segments): dq from the state
+    taken down from its segment's end, whole and partial last chunks, a sequence of one chunk, E != M, both layouts,
     two scales; and the two passes it replaces (FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0: dq from the
     forward's segment starts, dk with dv): the output and each gradient within the dtype's bound
     of float64 (check_against_reference). (test_one_pass_backward_where_the_forward_kept_its_ends
@@ -343,6 +348,33 @@ def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch
     if segments.endswith("three-launches"):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
+    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+def test_one_pass_backward_spanning_the_forwards_segments(layout, dtype, monkeypatch):
+    """20 segments asked at 1100 steps: the forward runs in 18 (one a chunk, the last partial) and
+    keeps their ends, and the one pass runs in 9 of two each (one_pass_span: dq's state taken down
+    from the end of the second of its forward segments), with enough pairs that its blocks fill half
+    the multiprocessors (keeps_one_pass_ends): the kept ends within float32's rounding of float64,
+    and the output and each gradient within the dtype's bound of float64, at two scales. (Its
+    launches are counted in test_one_pass_backward_where_the_forward_kept_its_ends, not here: the
+    sanitizer subset runs this test, and the profiler sees no kernels under it.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "20")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shape = (-(-sms // 36), 2, 1100, 64, 48)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    qb, kb, vb = (x.transpose(1, 2).contiguous() if layout == "blhd" else x for x in (q, k, v))
+    kept = kept_segments(qb, kb, vb)
+    assert kept.shape[1] == 18, kept.shape
+    assert relative_error(kept, segment_ends(kb, vb, None, 18)) <= 1e-5  # the ends, not the starts
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
 

@@ -229,7 +229,7 @@ void launch_backward_cuda(const BackwardParams& params) {
   // three in many segments, as dk-with-dv's). Where it cannot run after all (a given final
   // state's gradient with |scale| outside wgmma_takes' range), dq and dk-with-dv run as below,
   // dq summing its own segments: the ends are no starts.
-  if (p.forward_segments >= 1 && p.forward_segments <= KernelParams::kMaxOnePassSegments && one_pass_backward_takes(p)) {
+  if (p.forward_segments >= 1 && keeps_one_pass_ends(p.B * p.H, p.forward_segments) && one_pass_backward_takes(p)) {
     p.one_pass = true;
     if (run_grad_kv_pass(p, stream)) {
       add_grad_initial_k_sum(p, stream);

@@ -291,10 +291,14 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 // against 0.086. In the library (H100, sixty-second session; kernels' ms, one pass against
 // dk-with-dv + dq): bf16 8,16,2048,64 0.090 / 0.117, 4,16,8192,64 (4 segments) 0.209 / 0.259,
 // 2,4,8192,64 (16) 0.040 / 0.050, 8,16,2048,64,32 0.073 / 0.093; float16 alike. So it runs at
-// every pair count, in up to KernelParams::kMaxOnePassSegments (16) of the forward's segments:
-// at 1,8,16384,64 the forward's 32 (three launches, a state-only launch on the three-warpgroup
-// kernel) took 0.144 ms of GPU time fwd+bwd against the two passes' 0.138 (float16 0.148 against
-// 0.140); there the forward keeps its starts and the backward runs two passes.
+// every pair count. In more than KernelParams::kMaxOnePassSegments (16) of the forward's
+// segments each of its segments spans several of them (one_pass_span): at 1,8,16384,64 the
+// forward's 32 (three launches, a state-only launch on the three-warpgroup kernel) took 0.144 ms
+// of GPU time fwd+bwd against the two passes' 0.138 (float16 0.148 against 0.140); in 16 of two
+// each, in one launch, 0.123 (float16 0.124; H100, sixty-third session). Where those spanning
+// segments' blocks fill less than half the multiprocessors (1,4,32768,64: 64 blocks, as fast as
+// the two passes in bf16, 6% slower in float16), the forward keeps its starts and the backward
+// runs the two passes (keeps_one_pass_ends in kernel_common.cuh).
 // FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off (=1, the default, is accepted).
 // A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
 // p as given, its pass's states not set), so that the forward and the backward decide alike;

@@ -40,7 +40,11 @@ struct KernelParams : BackwardParams {
   // kWithDq) in the forward's segments, dq's state in each taken down from its segment's end
   // (forward_segment_kv).
   bool one_pass = false;
-  static constexpr int64_t kMaxOnePassSegments = 16;  // (one_pass_backward in dispatch.cuh)
+  // The one pass's segments: each spans this many of the forward's (the last fewer), so that
+  // they number at most kMaxOnePassSegments (one launch's look-back; one_pass_backward in
+  // dispatch.cuh); dq's state starts from the end of the last forward segment it spans.
+  static constexpr int64_t kMaxOnePassSegments = 16;
+  int64_t one_pass_span = 1;
   // The forward's segment ends, where it keeps them for the one pass: [B * H, segments, Da, Dc],
   // the given start included (each pass block stores the state it ends with).
   float* segment_ends = nullptr;
@@ -289,6 +293,21 @@ __device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) 
 
 int multiprocessor_count();
 
+// Whether the forward in `segments` time segments keeps their ends for the one-pass backward
+// (one_pass_backward in dispatch.cuh; the forward's launcher and launch_backward_cuda both ask).
+// Up to KernelParams::kMaxOnePassSegments the one pass runs in them; above, each of its segments
+// spans several (one_pass_span), and where its `pairs` blocks per segment then fill less than half
+// the multiprocessors, the two passes in the forward's segments are as fast or faster (H100,
+// sixty-third session, GPU ms fwd+bwd, spanning one pass against two passes: 1,8,16384,64 in 16
+// of 32, 128 blocks, bf16 0.123 / 0.138, fp16 0.124 / 0.141; 1,4,32768,64 in 16 of 64, 64
+// blocks, bf16 0.151 / 0.151, fp16 0.160 / 0.151): there the forward keeps its starts.
+inline bool keeps_one_pass_ends(int64_t pairs, int64_t segments) {
+  constexpr int64_t most = KernelParams::kMaxOnePassSegments;
+  if (segments <= most) return true;
+  const int64_t span = (segments + most - 1) / most;
+  return 2 * pairs * ((segments + span - 1) / span) >= multiprocessor_count();
+}
+
 // How many time segments (blocks along time) a launch of `blocks` blocks gets: enough to fill
 // `target_blocks` (what the device holds at once, or a measured share of it), while each segment
 // keeps at least min_segment_len timesteps (below that the extra state pass and the prefix sums
@@ -357,9 +376,10 @@ struct SegmentWorkspace {
   template <Pass P, typename acc_t>
   // regions = false: the segments alone (a one-launch pass that keeps no starts: its sums are its
   // own buffer's, KernelParams::seg_sums).
+  // length: the segments' timesteps where the caller sets them (a multiple of step), else 0
   static SegmentWorkspace make(KernelParams& p, int64_t segments, int64_t step, int64_t Da, int64_t Dc,
-                               bool regions = true) {
-    p.segment_len = segment_length(p.L, segments, step);
+                               bool regions = true, int64_t length = 0) {
+    p.segment_len = length > 0 ? length : segment_length(p.L, segments, step);
     p.segments = segment_count(p.L, p.segment_len);
     SegmentWorkspace w;
     w.dtype = c10::CppTypeToScalarType<acc_t>::value;

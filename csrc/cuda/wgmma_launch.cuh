@@ -447,18 +447,24 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return {};
     }
   }
-  // (the one-pass backward: in the forward's segments, dq from their ends)
+  // (the one-pass backward: in the forward's segments, dq from their ends; each of its segments
+  // spans one_pass_span of them, so that they number at most kMaxOnePassSegments)
   const int64_t segments = one_pass ? p.forward_segments : wgmma_segments(p, blocks, smem);
-  const int64_t count = segment_count(p.L, segment_length(p.L, segments, C));
-  TORCH_CHECK(!one_pass || count == p.forward_segments, "fast_causal_attn: segment_kv holds ", p.forward_segments,
-              " segment ends, which no forward of ", p.L, " timesteps makes");
+  int64_t length = segment_length(p.L, segments, C);
+  TORCH_CHECK(!one_pass || segment_count(p.L, length) == p.forward_segments, "fast_causal_attn: segment_kv holds ",
+              p.forward_segments, " segment ends, which no forward of ", p.L, " timesteps makes");
+  if (one_pass) {
+    p.one_pass_span = (p.forward_segments + KernelParams::kMaxOnePassSegments - 1) / KernelParams::kMaxOnePassSegments;
+    length *= p.one_pass_span;
+  }
+  const int64_t count = segment_count(p.L, length);
   // The forward's segment ends kept for the one-pass backward (each pass block's state at its
   // segment's end: KernelParams::segment_ends), in place of their starts: that backward runs no
-  // dq pass. One segment or more: the plan's count too. (Above kMaxOnePassSegments the backward
-  // runs two passes: the starts kept for dq. An empty sequence keeps none: ops.cpp may launch
-  // nothing there, and the plan must agree.)
+  // dq pass. One segment or more: the plan's count too. (An empty sequence keeps none: ops.cpp
+  // may launch nothing there, and the plan must agree. Where spanning segments would leave most
+  // multiprocessors idle, its starts for the two passes: keeps_one_pass_ends.)
   const bool keeps_ends = P == Pass::Forward && p.one_pass && p.keep_segments && p.L > 0 &&
-                          count <= KernelParams::kMaxOnePassSegments;
+                          keeps_one_pass_ends(pairs, count);
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_ends ? count : count > 1 ? count : 0) : 0};
   at::Tensor kept_ends;
   if (keeps_ends) {
@@ -493,7 +499,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // nor where it keeps nothing)
   const bool keeps_starts = P == Pass::Forward && p.keep_segments && !keeps_ends;
   const SegmentWorkspace workspace =
-      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !one_launch || keeps_starts);
+      SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !one_launch || keeps_starts, length);
   const int64_t tile_blocks = blocks / row_tiles;  // one row tile's
   if (kFloat && row_tiles_in_sequence(row_tiles, tile_blocks, p.segments)) {
     for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)

@@ -2004,9 +2004,11 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       StateCopy<kHalf, 1, 4, true> t_copy{base + (kStages * 4 + 2) * kTile, warp_max + 4};
       auto dq_sync = [] { named_sync(kDqBarrier, kThreads); };
       float t[32];
-      {  // minus the forward's state [E, M] at the segment's end, transposed (the forward's segments: p.segments)
+      {  // minus the forward's state [E, M] at the segment's end, transposed (the end of the last of
+         // the forward's segments it spans: KernelParams::one_pass_span)
+        const int64_t spanned = min((work.segment + 1) * p.one_pass_span, p.forward_segments);
         const float* const end =
-            static_cast<const float*>(p.forward_segment_kv) + (work.pair * p.segments + work.segment) * E * M;
+            static_cast<const float*>(p.forward_segment_kv) + (work.pair * p.forward_segments + spanned - 1) * E * M;
         const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
