@@ -221,7 +221,7 @@ def main():
                              "'FAST_CAUSAL_ATTN_SEGMENTS=1,2,4', optionally with others set throughout, e.g. "
                              "'FAST_CAUSAL_ATTN_TC_BUFFERS=1,2;FAST_CAUSAL_ATTN_KERNEL=tensorcore' (repeatable)")
     parser.add_argument("--kernel-time", action="store_true",
-                        help="on CUDA, also profile each of this library's methods: the GPU's busy time per call, "
+                        help="on CUDA, also profile each of this library's methods and fla's: the GPU's busy time per call, "
                              "its kernels, the host's time to issue the call (host work and launch gaps are "
                              "the rest of the median) and the call's time replayed from a CUDA graph (no host "
                              "work; overlapping kernels counted once)")
@@ -352,10 +352,10 @@ def main():
                     rows[-1].update(zip(("error_out", "error_dq", "error_dk", "error_dv"), errors))
                     print(f"{'':34} relative error vs float64: out {errors[0]:.2e}, dq {errors[1]:.2e}, "
                           f"dk {errors[2]:.2e}, dv {errors[3]:.2e}", flush=True)
-                if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ")):
+                if args.kernel_time and device == "cuda" and (name == "fast_causal_attn" or name.startswith("fca ") or name in fla):
                     with method_settings(families.get(name, {}), tf32=name.endswith("tf32")):
                         busy, host, graph = {}, {}, {}
-                        for what, call in zip(("fwd", "fwd+bwd"), calls(fn, q, k, v, dout)):
+                        for what, call in zip(("fwd", "fwd+bwd"), calls(fn, *inputs)):
                             busy[what], parts = kernel_breakdown(call)
                             host[what] = host_ms(call)
                             try:
