@@ -161,14 +161,18 @@ def test_packed_sequences(wgmma, dtype, monkeypatch):
             assert error <= tolerance, f"{which}, sequence [{start}, {stop}): {error:.3g} > {tolerance:.3g}"
 
 
+def check_at_two_scales(q, k, v, layout, normalize=False):
+    """The output and gradients at scales 1 and 0.7: within the dtype's bound of float64."""
+    for scale in (1.0, 0.7):
+        check_against_reference(q, k, v, scale=scale, normalize=normalize, layout=layout)
+
+
 def check_plain_at_two_scales(shape, layout, segments, wgmma, dtype, monkeypatch):
     """A plain call's output and gradients, on the wgmma kernels or mma.sync (FAST_CAUSAL_ATTN_WGMMA)
     in the given time segments, at scales 1 and 0.7: within the dtype's bound of float64."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA", wgmma)
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
-    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_at_two_scales(*make_inputs(*shape, dtype=dtype, device="cuda", layout=layout), layout)
 
 
 @CUDA
@@ -348,8 +352,7 @@ def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch
     if segments.endswith("three-launches"):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_at_two_scales(q, k, v, layout)
 
 
 @CUDA
@@ -375,8 +378,7 @@ def test_one_pass_backward_spanning_the_forwards_segments(layout, dtype, monkeyp
     kept = kept_segments(qb, kb, vb)
     assert kept.shape[1] == 18, kept.shape
     assert relative_error(kept, segment_ends(kb, vb, None, 18)) <= 1e-5  # the ends, not the starts
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_at_two_scales(q, k, v, layout)
 
 
 @CUDA
@@ -779,8 +781,7 @@ def test_float32_plain(shape, layout, segments, wgmma, grad_kv, monkeypatch):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV", "0")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(*shape, dtype=torch.float32, device="cuda", layout=layout)
-    check_against_reference(q, k, v, scale=1.0, normalize=False, layout=layout)
-    check_against_reference(q, k, v, scale=0.7, normalize=False, layout=layout)
+    check_at_two_scales(q, k, v, layout)
 
 
 @CUDA
