@@ -19,6 +19,12 @@
 #                               # each launch's duration, DRAM bytes and tensor-pipe use (ncu), the default path
 #   STAGES="build sanitize" SANITIZE_SUBSETS="forward_segments" SANITIZE_TOOLS=racecheck ...
 #                               # one sanitizer on some of the subsets
+#   STAGES="build tests sanitize" SANITIZE_BESIDE_TESTS=1 ...
+#                               # the sanitizers beside the tests, not after them (a call's
+#                               # minutes: the one_pass subset's three tools took 60-90 s, the
+#                               # tests of a change 100-120 s on 12-16 workers; RESULTS.md,
+#                               # sixty-third session). Wait on PIDs, never `pgrep -f gpu_check`:
+#                               # that matches the device call's own shell
 #   STAGES="build ab" BASELINE=third_party/base BENCH_ARGS="--no-peers --kernel-time ..." ...
 #                               # the same benchmark on a baseline tree and on this one: first
 #                               # `rm -rf third_party/base && mkdir third_party/base &&
@@ -147,14 +153,9 @@ if has smoke; then  # float32's kernels at a few shapes under a watchdog: a dead
   (( smoke_rc == 0 )) || { echo "smoke: failed (exit $smoke_rc; 124: the watchdog)"; exit 1; }
 fi
 
-if has tests; then
-  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 --durations=20 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
-    tee "$OUT/pytest_cuda.log" | tail -40
-  status=$(( status | $? ))
-  echo "tests: $(tail -1 "$OUT/pytest_cuda.log")" >>"$OUT/summary.txt"
-fi
-
-if has sanitize; then
+# The sanitizer subsets (the sanitize stage), a function so that SANITIZE_BESIDE_TESTS=1 may run it
+# beside the tests stage (its own processes on the one GPU; its output printed once both end)
+sanitize_stage() {
   # sanitize NAME PYTEST_K [FILE]: memcheck, racecheck and synccheck (the producer warpgroups'
   # named barriers) of the tests FILE's -k selects (tests/test_correctness.py by default);
   # SANITIZE_TOOLS picks some of them; SANITIZE_SUBSETS="forward_segments ..." runs only the
@@ -246,7 +247,33 @@ if has sanitize; then
   # the dq pass starting from the forward's segment starts (read transposed)
   sanitize forward_segments "test_grad_q_from_forward_segments and B1H2L1100E32M48 and float32"
   sanitize_report
+  return $status
+}
+
+sanitize_beside_pid=""
+if has sanitize && has tests && [[ "${SANITIZE_BESIDE_TESTS:-0}" == 1 ]]; then
+  sanitize_stage >"$OUT/sanitize_stage.log" 2>&1 &
+  sanitize_beside_pid=$!
 fi
+
+if has tests; then
+  python -m pytest tests -q -rs -k "${TESTS:-cuda or test_errors or wgmma}" --maxfail=30 --durations=20 -p no:cacheprovider ${PYTEST_ARGS:-} 2>&1 |
+    tee "$OUT/pytest_cuda.log" | tail -40
+  status=$(( status | $? ))
+  echo "tests: $(tail -1 "$OUT/pytest_cuda.log")" >>"$OUT/summary.txt"
+fi
+
+if has sanitize; then
+  if [[ -n "$sanitize_beside_pid" ]]; then
+    wait "$sanitize_beside_pid"
+    status=$(( status | $? ))
+    cat "$OUT/sanitize_stage.log"
+  else
+    sanitize_stage
+    status=$(( status | $? ))
+  fi
+fi
+
 
 if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd dtype", PROFILE_KERNEL (a regex)
   args=${PROFILE:-"8 16 2048 64 64 fwd bfloat16"}
