@@ -274,7 +274,6 @@ if has sanitize; then
   fi
 fi
 
-
 if has profile; then  # where a kernel's time goes: PROFILE="B H L E M fwd|bwd dtype", PROFILE_KERNEL (a regex)
   args=${PROFILE:-"8 16 2048 64 64 fwd bfloat16"}
   kernel=${PROFILE_KERNEL:-tensorcore_product_kernel}

@@ -191,7 +191,6 @@ ForwardSegments launch_forward_cuda(const ForwardParams& params) {
     run_decode_step(p, stream);
     return {};
   }
-  p.one_pass = p.keep_segments && one_pass_backward_takes(p);  // (its segments' ends kept for the backward)
   return run_forward_pass(p, stream);
 }
 
@@ -277,7 +276,6 @@ int64_t plan_forward_segments(const ForwardParams& params, int device) {
   p.dry_run = true;
   // No output and no state to write (ops.cpp launches nothing), or a decoding step: no segments.
   if (p.B * p.H * p.M == 0 || cuda::decoding_step(p)) return 0;
-  p.one_pass = p.keep_segments && cuda::one_pass_backward_takes(p);  // (launch_forward_cuda's)
   return cuda::run_forward_pass(p, nullptr).count;
 }
 

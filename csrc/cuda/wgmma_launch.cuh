@@ -454,7 +454,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   TORCH_CHECK(!one_pass || segment_count(p.L, length) == p.forward_segments, "fast_causal_attn: segment_kv holds ",
               p.forward_segments, " segment ends, which no forward of ", p.L, " timesteps makes");
   if (one_pass) {
-    p.one_pass_span = (p.forward_segments + KernelParams::kMaxOnePassSegments - 1) / KernelParams::kMaxOnePassSegments;
+    p.one_pass_span = one_pass_span(p.forward_segments);
     length *= p.one_pass_span;
   }
   const int64_t count = segment_count(p.L, length);
