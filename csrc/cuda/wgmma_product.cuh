@@ -1090,6 +1090,16 @@ struct RowTerms {
   __device__ auto extra_weights(int s) const {
     return [dots = slot(s)](int row) { return -dots[row]; };
   }
+  // dq's, for the lane's two accumulator rows (16 warp + g, + 8) of slot s's chunk of n rows: the
+  // extra row's a = -dO[t] . O[t] (weights) or the output's factor / den[t], zero past n
+  __device__ void dq_rows(float (&values)[2], int s, int n, bool weights, float factor) const {
+    const float* const terms = slot(s);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
+      values[h] = row >= n ? 0.f : weights ? -terms[row] : factor * __frcp_rn(terms[64 + row]);
+    }
+  }
 };
 
 // The L2 line holding `at` fetched ahead (a hint: no fault, nothing waits for it)
@@ -1590,13 +1600,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       // den[t]), from the chunk's row terms, each read where it is used and before the slot's
       // release (held across the chunk, the two-atom two-group instance spilled 108 bytes)
       auto dq_rows = [&](float (&values)[2], bool weights) {
-        const float* terms = row_terms.slot(ring.slot);
-        const int n = work.chunk_len(chunk_begin(it), C);
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = 16 * group_warp() + int(threadIdx.x % kWarp) / 4 + 8 * h;
-          values[h] = row >= n ? 0.f : weights ? -terms[row] : factor * __frcp_rn(terms[64 + row]);
-        }
+        row_terms.dq_rows(values, ring.slot, work.chunk_len(chunk_begin(it), C), weights, factor);
       };
       // kNormalize, the forward, from the whole row sums: den = eps + scale (the row sum of the
       // masked float32 scores + q . z), kept for the backward (by the first group of column tile
