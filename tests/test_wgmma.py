@@ -268,13 +268,13 @@ def segment_ends(k, v, kv0, count):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     """The forward keeps its time segments' ends for the one-pass backward (16-bit, E and M up to
-    64, no normalizer; one_pass_backward) in place of their starts, at any pair count, in one
+    64; one_pass_backward) in place of their starts, at any pair count, in one
     segment or many (the plan's count too; above 16 the one pass's segments span several, where
     they fill half the multiprocessors, else the starts and two passes): each
     the initial state plus k^T v up to the segment's end, within float32's rounding of float64; and
     the backward then runs the one pass (dq beside dk and dv: no dq pass; its results:
-    test_one_pass_backward). Not with FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments'
-    starts, for the dq pass), nor under normalize, nor with E above 64."""
+    test_one_pass_backward); under normalize the key sum's ends beside. Not with
+    FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 (the segments' starts, for the dq pass), nor with E above 64."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
 
     def check_ends(B, H, L, E=64, M=64, with_state=False):
@@ -307,11 +307,25 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
     monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
     assert kept_segments(*make_inputs(1, sms, 300, 128, 64, dtype=dtype, device="cuda")).shape[1] == 0  # E above 64
-    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 64, 64, dtype=dtype, device="cuda", normalize=True))
+    # under normalize the key sum's ends beside the state's (dq's extra row), the one pass in three
+    # launches (its state-only blocks and the scan)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
+    q, k, v = make_inputs(2, 3, 300, 40, 24, dtype=dtype, device="cuda", normalize=True)
+    kv0, k_sum0 = torch.randn(2, 3, 40, 24, device="cuda"), torch.rand(2, 3, 40, device="cuda") * 3
+    results = torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, True, 1e-6, "bhld", False, True)
+    kept, kept_key_sums = results[4], results[5]
+    assert kept.shape[1] == 3 and kept_key_sums.shape == (6, 3, 40), (kept.shape, kept_key_sums.shape)
+    assert relative_error(kept, segment_ends(k, v, kv0, 3)) <= 1e-5
+    ones = torch.ones(2, 3, 300, 1, dtype=dtype, device="cuda")  # k^T 1: the key sums
+    exact_key_sums = segment_ends(k, ones, k_sum0.unsqueeze(-1), 3).squeeze(-1)
+    assert relative_error(kept_key_sums, exact_key_sums) <= 1e-5
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 40, 24, dtype=dtype, device="cuda", normalize=True))
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         torch.autograd.grad(out.float().sum(), (q, k, v))
-    assert one_pass_launches(names) == 0, names
+    assert one_pass_launches(names) >= 1 and wgmma_passes(names) == {"0"}, names
+    assert any("backward_prepare" in n for n in names), names  # (dO . O: no dq pass makes them)
+    monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
     q, k, v = make_inputs(2, 3, 2048, 64, 64, dtype=dtype, device="cuda")
     starts = kept_segments(q, k, v)
@@ -360,25 +374,28 @@ def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch
 @EXPECT_WGMMA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
-def test_one_pass_backward_spanning_the_forwards_segments(layout, dtype, monkeypatch):
+def test_one_pass_backward_spanning_the_forwards_segments(layout, normalize, dtype, monkeypatch):
     """20 segments asked at 1100 steps: the forward runs in 18 (one a chunk, the last partial) and
     keeps their ends, and the one pass runs in 9 of two each (one_pass_span: dq's state taken down
     from the end of the second of its forward segments), with enough pairs that its blocks fill half
-    the multiprocessors (keeps_one_pass_ends): the kept ends within float32's rounding of float64,
-    and the output and each gradient within the dtype's bound of float64, at two scales. (Its
+    the multiprocessors (keeps_one_pass_ends), plain and normalized (three launches there: the
+    state-only blocks and the scan): the kept ends within float32's rounding of float64, and the
+    output and each gradient within the dtype's bound of float64, at two scales. (Its
     launches are counted in test_one_pass_backward_where_the_forward_kept_its_ends, not here: the
     sanitizer subset runs this test, and the profiler sees no kernels under it.)"""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "20")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shape = (-(-sms // 36), 2, 1100, 64, 48)
-    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout, normalize=normalize)
     qb, kb, vb = (x.transpose(1, 2).contiguous() if layout == "blhd" else x for x in (q, k, v))
-    kept = kept_segments(qb, kb, vb)
+    kept = torch.ops.fast_causal_attn.forward(qb, kb, vb, None, None, None, 1.0, normalize, 1e-6, "bhld", False,
+                                              True)[4]
     assert kept.shape[1] == 18, kept.shape
     assert relative_error(kept, segment_ends(kb, vb, None, 18)) <= 1e-5  # the ends, not the starts
-    check_at_two_scales(q, k, v, layout)
+    check_at_two_scales(q, k, v, layout, normalize)
 
 
 @CUDA
@@ -386,24 +403,50 @@ def test_one_pass_backward_spanning_the_forwards_segments(layout, dtype, monkeyp
 @EXPECT_WGMMA
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["1", "3", "20"])
+@pytest.mark.parametrize("layout", ["bhld", "blhd"])
+@pytest.mark.parametrize("shape", [(1, 2, 1000, 64, 64), (2, 3, 333, 40, 24), (3, 2, 64, 64, 8), (1, 1, 64, 64, 64)],
+                         ids=shape_id)
+def test_normalized_one_pass_backward(shape, layout, segments, dtype, monkeypatch):
+    """The one-pass backward under normalize: dq's extra row (a = -dO . O added to each kept score
+    of U, a times minus the key sum taken down from the forward's kept end added to each row, each
+    row times -scale / den) beside dk's (e, q / den), in one segment, in three (three launches: its
+    state-only blocks and the scan; no one launch under normalize) or 20 asked (as many as there
+    are chunks, up to 16), whole and partial last chunks, a sequence of one chunk, E != M, both
+    layouts, two scales: the output and each gradient within the dtype's bound of float64
+    (check_at_two_scales). (Its launches: test_one_pass_backward_where_the_forward_kept_its_ends;
+    the sanitizer subset runs this test.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout, normalize=True)
+    check_at_two_scales(q, k, v, layout, normalize=True)
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("segments", ["1", "3"])
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 3, 200, 40, 24)], ids=shape_id)
-def test_one_pass_backward_with_states(shape, segments, dtype, monkeypatch):
+def test_one_pass_backward_with_states(shape, segments, normalize, dtype, monkeypatch):
     """The one-pass backward from a given state with the final state out (the forward's segment
     ends, from which dq's state is taken down, hold the initial state; dk and dv start from the
-    final state's gradient and end at the initial one's; the key sum's gradient passes through),
-    scale 0.7, the forward in one segment or three: every result within its bound
-    (check_state_call); and it ran."""
+    final state's gradient and end at the initial one's; the key sum's gradient passes through,
+    or under normalize runs from the final key sum's to the initial one's in dk's extra row, and
+    dq's extra row starts from the key sum's kept end), scale 0.7, the forward in one segment or
+    three: every result within its bound (check_state_call); and it ran."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, dtype, "one pass")).encode()))
-    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", generator=gen)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, dtype, normalize, "one pass")).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=normalize, generator=gen)
     with cuda_kernels_launched() as names:
-        check_state_call(q, k, v, list(make_state(B, H, E, M, dtype, False)), (B, H, E, M), gen,
-                         lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7),
-                         lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7, layout="bhld",
-                                                                       **kw),
+        check_state_call(q, k, v, list(make_state(B, H, E, M, dtype, normalize)), (B, H, E, M), gen,
+                         lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=normalize),
+                         lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7,
+                                                                       normalize=normalize, layout="bhld", **kw),
                          exact_in_float32={"final kv", "final k_sum"})
     assert one_pass_launches(names) >= 1, names
 
@@ -1224,8 +1267,10 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 as two
     reverse passes of wgmma_product_kernel (dk's extra row beside, q / den staged), and no mma.sync
     kernel anywhere; dO . O made by dq's producer where dq runs at up to two atoms in one
-    column tile, else by backward_prepare_kernel. FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four
-    atoms to mma.sync (no one-warpgroup instance has the normalizer)."""
+    column tile, else by backward_prepare_kernel. Where E and M are up to 64 the backward is the
+    one pass (dq beside dk and dv on wgmma_grad_kv_kernel: no dq pass, dO . O by
+    backward_prepare_kernel). FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
+    one-warpgroup instance has the normalizer)."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
@@ -1243,11 +1288,12 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     narrow, fused = E <= 64 and M <= 64, E <= 128 and M <= 128
     assert any("wgmma_grad_kv_kernel" in n for n in names) == narrow, names
     assert any("wgmma_grad_kv_wide_kernel" in n for n in names) == (fused and not narrow), names
-    dq = {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
+    assert (one_pass_launches(names) >= 1) == narrow, names  # (the one pass: no dq pass)
+    dq = set() if narrow else {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
     assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
     # dO . O made by dq's producer where dq runs at up to two atoms in one column tile (64 of E a
     # group), else by backward_prepare_kernel before it
-    dq_makes_dots = atoms(M) <= 2 and E <= 128
+    dq_makes_dots = not narrow and atoms(M) <= 2 and E <= 128
     assert any("backward_prepare" in n for n in names) != dq_makes_dots, names
     # dk's Da is M, dv's E: one warpgroup, or four atoms on two
     two_passes = set() if fused else {("2", atoms(M), 2 if atoms(M) == 4 else 1),

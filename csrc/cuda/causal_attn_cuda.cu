@@ -210,25 +210,28 @@ void launch_backward_cuda(const BackwardParams& params) {
   static_cast<BackwardParams&>(p) = params;
   p.tf32 = tf32_allowed(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The one-pass backward (one_pass_backward), from the forward's segment ends, which the
+  // forward kept where it decided on it (the two decide alike)
+  const bool one_pass =
+      p.forward_segments >= 1 && keeps_one_pass_ends(p.B * p.H, p.forward_segments) && one_pass_backward_takes(p);
   at::Tensor dout_dot_out;
   if (p.normalize && p.L > 0) {
     const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
     dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
     p.dout_dot_out = dout_dot_out.data_ptr();
     // made by the dq pass where it can (O read beside the dO it stages, 16 bytes at a time: O's
-    // rows whole vectors at 16-byte boundaries), else here, before it
-    p.dots_in_grad_q = grad_q_pass_makes_dots(p) && vector_rows(p, int64_t(c10::elementSize(p.dtype)));
+    // rows whole vectors at 16-byte boundaries), else here, before it (the one pass has no dq pass)
+    p.dots_in_grad_q = !one_pass && grad_q_pass_makes_dots(p) && vector_rows(p, int64_t(c10::elementSize(p.dtype)));
     if (!p.dots_in_grad_q) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
                                       [&] { launch_backward_prepare<scalar_t>(p, stream); });
     }
   }
-  // The one-pass backward (one_pass_backward), from the forward's segment ends, which the
-  // forward kept where it decided on it (the two decide alike): dk, dv and dq in one launch (or
-  // three in many segments, as dk-with-dv's). Where it cannot run after all (a given final
-  // state's gradient with |scale| outside wgmma_takes' range), dq and dk-with-dv run as below,
-  // dq summing its own segments: the ends are no starts.
-  if (p.forward_segments >= 1 && keeps_one_pass_ends(p.B * p.H, p.forward_segments) && one_pass_backward_takes(p)) {
+  // The one pass: dk, dv and dq in one launch (or three in many segments, as dk-with-dv's). Where
+  // it cannot run after all (a given final state's gradient with |scale| outside wgmma_takes'
+  // range), dq and dk-with-dv run as below, dq summing its own segments: the ends are no starts
+  // (and the dots, made above, are there for both).
+  if (one_pass) {
     p.one_pass = true;
     if (run_grad_kv_pass(p, stream)) {
       add_grad_initial_k_sum(p, stream);
@@ -236,7 +239,7 @@ void launch_backward_cuda(const BackwardParams& params) {
     }
     p.one_pass = false;
     p.forward_segments = 0;
-    p.forward_segment_kv = nullptr;
+    p.forward_segment_kv = p.forward_segment_k_sum = nullptr;
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200

@@ -277,8 +277,9 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 
 // Whether the backward makes dk, dv and dq in one reverse pass (wgmma_grad_kv_kernel's kWithDq:
 // q, k, v and dO read once, 7 tensors where dk-with-dv and the dq pass move 10) from the forward's
-// segment ends, which the forward then keeps (KernelParams::one_pass, segment_ends): 16-bit, E
-// and M up to 64, no normalizer, no packed sequences, where dk with dv runs on the wgmma kernel
+// segment ends, which the forward then keeps (KernelParams::one_pass, segment_ends; under
+// normalize the key sum's ends beside): 16-bit, E and M up to 64, no packed sequences, where dk
+// with dv runs on the wgmma kernel
 // (run_grad_kv). It runs in the forward's time segments, dq's state in each taken down from its
 // segment's end, D's from the segments after it as dk-with-dv's (one launch's look-back, or the
 // state-only launch and the scan).
@@ -298,7 +299,9 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 // each, in one launch, 0.123 (float16 0.124; H100, sixty-third session). Where those spanning
 // segments' blocks fill less than half the multiprocessors (1,4,32768,64: 64 blocks, as fast as
 // the two passes in bf16, 6% slower in float16), the forward keeps its starts and the backward
-// runs the two passes (keeps_one_pass_ends in kernel_common.cuh).
+// runs the two passes (keeps_one_pass_ends in kernel_common.cuh). Under normalize too (dq's
+// extra row from the key sum's ends, kept beside; three launches in segments; dO . O by
+// backward_prepare_kernel).
 // FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off (=1, the default, is accepted).
 // A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
 // p as given, its pass's states not set), so that the forward and the backward decide alike;
@@ -314,7 +317,7 @@ bool one_pass_backward(const KernelParams& p) {
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
     const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
     if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
-    if (p.normalize || p.cu_seqlens != nullptr || p.E > 64 || p.M > 64 || forced_family() != Family::Default) return false;
+    if (p.cu_seqlens != nullptr || p.E > 64 || p.M > 64 || forced_family() != Family::Default) return false;
     return wgmma_takes<Pass::GradKV, scalar_t>(p, p.M, p.E);
   }
 }

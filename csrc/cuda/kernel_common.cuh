@@ -46,8 +46,10 @@ struct KernelParams : BackwardParams {
   static constexpr int64_t kMaxOnePassSegments = 16;
   int64_t one_pass_span = 1;
   // The forward's segment ends, where it keeps them for the one pass: [B * H, segments, Da, Dc],
-  // the given start included (each pass block stores the state it ends with).
+  // the given start included (each pass block stores the state it ends with); under normalize the
+  // key sum's beside, [B * H, segments, Da] (the backward's forward_segment_k_sum then holds them).
   float* segment_ends = nullptr;
+  float* segment_key_sum_ends = nullptr;
 
   // Every row read or written starts 16-byte aligned and E, M are whole 16-byte vectors: kernels may stage
   // and write rows 16 bytes at a time (set by the launchers that do; see rows_are_vectors).

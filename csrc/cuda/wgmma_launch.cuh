@@ -380,7 +380,9 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
-      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, false, false, true>;
+      if (one_pass) {
+        return normalize ? wgmma_grad_kv_kernel<scalar_t, false, true, true> : wgmma_grad_kv_kernel<scalar_t, false, false, true>;
+      }
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
@@ -415,7 +417,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return nullptr;
     } else if constexpr (P == Pass::GradKV) {
       (void)atoms, (void)groups;
-      if (one_pass) return wgmma_grad_kv_kernel<scalar_t, true, false, true>;
+      if (one_pass) return normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true, false, true>;
       return wide || normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
       (void)wide, (void)one_pass;
@@ -431,7 +433,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
                                           : wgmma::kThreads * (groups + 1);
   const size_t smem = kFloat                ? wgmma_tf32::smem_bytes(row_parts, normalize)
                       : wide                ? wgmma::smem_bytes(8, 8, 2, 2) + (normalize ? wgmma::kNormalizedWideBytes : 0)
-                      : one_pass            ? wgmma::smem_bytes(4, 4, 2)
+                      : one_pass            ? wgmma::smem_bytes(4, 4, 2) + (normalize ? wgmma::kNormalizedOnePassBytes : 0)
                       : P == Pass::GradKV ? wgmma::smem_bytes(4) + (normalize ? wgmma::kNormalizedGradKVBytes : 0)
                                           : layout.smem_bytes();
   const int64_t blocks = pairs * row_tiles * col_tiles;
@@ -466,10 +468,14 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const bool keeps_ends = P == Pass::Forward && p.one_pass && p.keep_segments && p.L > 0 &&
                           keeps_one_pass_ends(pairs, count);
   if (p.dry_run) return {at::Tensor(), at::Tensor(), P == Pass::Forward ? (keeps_ends ? count : count > 1 ? count : 0) : 0};
-  at::Tensor kept_ends;
+  at::Tensor kept_ends, kept_key_sum_ends;
   if (keeps_ends) {
     kept_ends = at::empty({pairs, count, Da, Dc}, float_options());
     p.segment_ends = kept_ends.data_ptr<float>();
+    if (normalize) {  // (and the key sum's, for dq's extra row)
+      kept_key_sum_ends = at::empty({pairs, count, Da}, float_options());
+      p.segment_key_sum_ends = kept_key_sum_ends.data_ptr<float>();
+    }
   }
   const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // The state-only launch in heads and tails where its blocks would leave multiprocessors idle
@@ -521,7 +527,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
   if constexpr (P == Pass::Forward) {
-    if (keeps_ends) return {kept_ends, at::Tensor(), count};
+    if (keeps_ends) return {kept_ends, kept_key_sum_ends, count};
     if (p.keep_segments) return workspace.kept();
   }
   if constexpr (P == Pass::GradK) {  // dk's starts (the state region leads the buffer), for dv

@@ -71,6 +71,9 @@ __host__ __device__ constexpr int row_terms_bytes(int slots, int terms) { return
 // |S|, and its chunks' dO . O and den in up to six slots (the pass's ring, or the sums' deeper one:
 // sum_depth)
 constexpr int kNormalizedGradKVBytes = 64 * 4 + row_terms_bytes(6, 2);
+// the normalized one-pass backward's (wgmma_grad_kv_kernel's kWithDq): the same, and dq's extra
+// row's key sum (minus the forward's, taken down a chunk at a time: 64 floats) beside e
+constexpr int kNormalizedOnePassBytes = kNormalizedGradKVBytes + 64 * 4;
 // the wide dk-with-dv kernel's: e over up to 128 columns, and each chunk's dO . O and den in up to
 // six slots (its pass's two, or its state-only walk's deeper ring)
 constexpr int kNormalizedWideBytes = 128 * 4 + row_terms_bytes(6, 2);
@@ -758,8 +761,9 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 }
 
 // The masked scores (row r, column c: c <= r kept, or c >= r for kReverse; kStrict: the diagonal
-// dropped too, c > r for the one-pass backward's dq, wgmma_grad_kv_kernel's kWithDq) as 16-bit register A
-// fragments of the products by them, each warp its 16 rows: k-step s in a[s]. The warp's rank in
+// dropped too, c > r for the one-pass backward's dq, wgmma_grad_kv_kernel's kWithDq; there
+// `complement`, a flag the same for the whole warpgroup, takes the mask's complement, c <= r) as
+// 16-bit register A fragments of the products by them, each warp its 16 rows: k-step s in a[s]. The warp's rank in
 // its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
 // diagonal compare columns with rows (the others are kept or zero whole): with the rank a
 // variable, each of the 32 scores took its own compare and select every chunk.
@@ -786,8 +790,8 @@ __device__ __forceinline__ void with_warp_rank(F&& f) {
   }
 }
 template <bool kHalf, bool kReverse, int kWarpRank, bool kStrict = false>
-__device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32]) {
-  auto kept = [](int j, int e) { return kept_by_mask<kReverse, kWarpRank, kStrict>(j, e); };
+__device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const float (&score)[32], bool complement) {
+  auto kept = [&](int j, int e) { return kept_by_mask<kReverse, kWarpRank, kStrict>(j, e) != complement; };
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -799,8 +803,9 @@ __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const f
     }
 }
 template <bool kHalf, bool kReverse, bool kStrict = false>
-__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32]) {
-  with_warp_rank([&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value, kStrict>(a, score); });
+__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32], bool complement = false) {
+  with_warp_rank(
+      [&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value, kStrict>(a, score, complement); });
 }
 // The normalizer's row sums of this lane's two rows (16 warp + g, + 8), each added across the
 // quad: of the masked float32 scores (exact: the den the backward reads), and of P as rounded to
@@ -846,11 +851,12 @@ __device__ __forceinline__ void add_fragments_times(float (&d)[32], const uint32
 #pragma unroll
   for (int s = 0; s < 4; ++s) mma_rs<kHalf, 1>(d, a[s], k_along_rows(x_tile, s));
 }
-// d += mask(score) X, in one committed group.
+// d += mask(score) X (complement: masked_fragments'), in one committed group.
 template <bool kHalf, bool kReverse, bool kStrict = false>
-__device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile) {
+__device__ __forceinline__ void add_masked_times(float (&d)[32], const float (&score)[32], uint32_t x_tile,
+                                                 bool complement = false) {
   uint32_t a[4][4];
-  masked_fragments<kHalf, kReverse, kStrict>(a, score);
+  masked_fragments<kHalf, kReverse, kStrict>(a, score, complement);
   fence();
   add_fragments_times<kHalf>(d, a, x_tile);
   commit();
@@ -1826,7 +1832,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // kNormalize: the key sum's end (the owners' columns of z, their own writes; kSplitRows: the
   // forward's each group its half, dq's the first group's)
   if constexpr (kNormalize && P == Pass::Forward) {
-    if (end.key_sum != nullptr && (kSplitRows || group == 0) && work.col_tile == 0) keys.store(end.key_sum + row0, Da - row0);
+    if ((kSplitRows || group == 0) && work.col_tile == 0) {
+      if (end.key_sum != nullptr) keys.store(end.key_sum + row0, Da - row0);
+      // (the segment's end kept beside its state's for the one-pass backward: segment_key_sum_ends)
+      if (kept_end != nullptr && p.segment_key_sum_ends != nullptr) {
+        keys.store(p.segment_key_sum_ends + (work.pair * p.segments + work.segment) * Da + row0, Da - row0);
+      }
+    }
   }
   if constexpr (kExtraRow) {  // (state-only blocks: their segment's sums of k, or dk's of e)
     if (end.extra != nullptr && (!kSplitRows || group == 0)) keys_of(state_only ? 0 : chunks).store(end.extra + m0, Dc - m0);
@@ -1849,7 +1861,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // pass's, as run_grad_kv gives them). A producer warpgroup stages q, k, v and dO (the walks that
 // only sum: q and dO, in a deeper ring) as wgmma_product_kernel's.
 //
-// kWithDq (the one-pass backward: no normalizer, KernelParams::one_pass): a third warpgroup makes
+// kWithDq (the one-pass backward, KernelParams::one_pass): a third warpgroup makes
 // dq on the same staged chunks, from the state taken down from its segment's end:
 //
 //   dq_c = dO_c S(c + 1) - U(dO_c v_c^T) k_c,   S(c) = S(c + 1) - v_c^T k_c
@@ -1866,6 +1878,16 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // warpgroup needs no sums: its start is the forward's; in the walks that only sum (state-only
 // blocks, one launch's first walk) it waits on and releases the ring's chunks beside the
 // dk-with-dv consumer, with nothing to do.
+// Under the normalizer (kNormalize; three launches in segments: no one launch), with a_t = -dO[t] .
+// O[t] and z(c) the key sum before chunk c (the forward's, from the key sum's kept end):
+//
+//   dq_t = scale / den[t] (dO_t S(c + 1) + a_t z(c + 1) - sum_{s > t in c} (dO_t . v_s + a_t) k_s)
+//
+// so each kept score of U gets its row's a_t (as the dq pass's get theirs), y = -z(c + 1) is
+// taken down as T (y += k's column sums a chunk, KeySums), a_t y is added to row t, and row t is
+// stored times -scale / den[t]: dq = -scale / den (dO T + U(dO v^T + a) k + a y). The producer stages
+// each chunk's dO . O (backward_prepare_kernel's: no dq pass makes them) and den beside it for
+// both consumers, as the two passes' kernel does.
 template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false, bool kWithDq = false>  // (kOneLaunch: as wgmma_product_kernel's)
 __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
@@ -1874,7 +1896,6 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
   static_assert(!(kOneLaunch && kNormalize), "normalize: three launches (one launch's sums carry no extra row)");
-  static_assert(!(kWithDq && kNormalize), "the one-pass backward: no normalizer");
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
 
   // Shared memory: the stage slots, the state copies (D's; kWithDq: T's after it), each consumer
@@ -1890,8 +1911,11 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   // of -dO[t] . O[t] q[t] / den[t], E columns, added to every dk row; its start and end are the key
   // sums' gradients (with_state_io's GradKV), and -dO[t] . O[t] is added to each kept score of
   // V dO^T, column t. Each chunk's dO . O and den staged beside it (terms, a slot of either ring).
-  const KeySums<kHalf, 1> extra{warp_max + 4};
-  const RowTerms<2> terms{warp_max + 4 + 64};
+  // (kWithDq: after the second warpgroup's largest |T| too, then dq's own extra row's key sum:
+  // kNormalizedOnePassBytes)
+  constexpr int kTermsAt = kWithDq ? 8 : 4;
+  const KeySums<kHalf, 1> extra{warp_max + kTermsAt};
+  const RowTerms<2> terms{warp_max + kTermsAt + (kWithDq ? 2 : 1) * 64};
 
   // one launch for the segments (KernelParams::lookback): the block's work by the order blocks start
   const int64_t block =
@@ -1933,9 +1957,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   // kSummed: one launch's walk done with its slots, which the pass's ring takes after it, and
   // (kNormalize) kLanded: every producer thread's copies of a chunk landed
   // (kWithDq: the dq warpgroup's own barrier takes kLanded's, which has no use without the
-  // normalizer; the rings' barriers and kSummed count its threads too)
+  // normalizer, and under it kSummed's, which has none without one launch; the rings' barriers
+  // and kSummed count its threads too)
   constexpr int kConsumersBarrier = 1, kFull = 2, kSummed = kFull + 2 * kSumDepth, kLanded = kSummed + 1,
-                kDqBarrier = kLanded, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
+                kDqBarrier = kNormalize ? kSummed : kLanded, kBlockThreads = (kWithDq ? 3 : 2) * kThreads;
   static_assert(kLanded < 16, "named barriers");
   // the consumers' rings (kWithDq: two consumer warpgroups of different code on each)
   using PassRing = ProducedRing<kStages, kStages, kWithDq>;
@@ -2007,20 +2032,42 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       // RESULTS.md, sixty-first session); the second part's product is one more a chunk
       StateCopy<kHalf, 1, 4, true> t_copy{base + (kStages * 4 + 2) * kTile, warp_max + 4};
       auto dq_sync = [] { named_sync(kDqBarrier, kThreads); };
+      // kNormalize: dq's extra row's key sum y = -z(c + 1) (see above), taken down as T is
+      const KeySums<kHalf, 1> minus_z{warp_max + kTermsAt + 64};
+      // The sequence's first chunk, where no initial state was given, takes the forward's form: its
+      // row t sums over s <= t from T = -S(c) = 0 and y = 0,
+      //
+      //   dq = -scale / den (dO T + a y - L(dO v^T + a) k)      (L: s <= t)
+      //
+      // where the walk's form takes the rows after t back from the chunk's end. Its early rows, of
+      // a few terms each (and under the normalizer the largest 1 / den), then carry their own
+      // terms' rounding instead of the whole chunk's (the walk's form there: normalized dq up to
+      // 2x its bound of float64 at one chunk, H100, RESULTS.md, sixty-fourth session).
+      // (the walk's last chunk, it = chunks - 1, where the segment is the sequence's first)
+      const bool ends_at_zero =
+          work.seg_begin == 0 && p.initial_kv == nullptr && (!kNormalize || p.initial_k_sum == nullptr);
+      auto from_zero = [&](int64_t it) { return ends_at_zero && it == chunks - 1; };
       float t[32];
       {  // minus the forward's state [E, M] at the segment's end, transposed (the end of the last of
-         // the forward's segments it spans: KernelParams::one_pass_span)
+         // the forward's segments it spans: KernelParams::one_pass_span); kNormalize: minus its key
+         // sum's end (the forward's segment_k_sum). Zeros where the segment is the sequence's one
+         // chunk from a zero start (above).
+        const bool zeros = from_zero(0);
         const int64_t spanned = min((work.segment + 1) * p.one_pass_span, p.forward_segments);
-        const float* const end =
-            static_cast<const float*>(p.forward_segment_kv) + (work.pair * p.forward_segments + spanned - 1) * E * M;
+        const int64_t kept = work.pair * p.forward_segments + spanned - 1;
+        const float* const end = static_cast<const float*>(p.forward_segment_kv) + kept * E * M;
         const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int64_t row = 16 * warp + g + 8 * (e / 2), column = 8 * j + 2 * q4 + e % 2;
-            t[4 * j + e] = row < M && column < E ? -end[column * M + row] : 0.f;
+            t[4 * j + e] = row < M && column < E && !zeros ? -end[column * M + row] : 0.f;
           }
+        if constexpr (kNormalize) {
+          const float* const key_end = static_cast<const float*>(p.forward_segment_k_sum) + kept * E;
+          minus_z.set([&](int column) { return column < E && !zeros ? -key_end[column] : 0.f; });
+        }
       }
       t_copy.publish_first(t_copy.rows(t), dq_sync);
       const float factor = -float(p.scale);
@@ -2031,34 +2078,73 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         const uint32_t kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2), dt = tile_of(ring.slot, 3);
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
+        // kNormalize: the lane's rows' a = -dO[t] . O[t] and factors -scale / den[t] (zero past
+        // the chunk's rows), from the chunk's row terms before the slot's release
+        float row_a[2], row_factors[2];
+        if constexpr (kNormalize) {
+          terms.dq_rows(row_a, ring.slot, n, true, factor);
+          terms.dq_rows(row_factors, ring.slot, n, false, factor);
+        }
         float score[32], acc[32];
         fence();
         scores_of<kHalf>(score, dt, vt);  // dO v^T: row t, column s
         commit();
         times_state_copy<kHalf, 1, 1, true>(acc, dt, t_copy.at);  // dO T
         commit();
+        float key_chunk[1][2];  // (kNormalize) k's column sums over the chunk: y's update
+        if constexpr (kNormalize) minus_z.chunk_sums(key_chunk, kt);  // while the products run
+        // U(dO v^T) k, or in the forward's form L(dO v^T) k, its sign taken at the store (T and y
+        // zeros there; kNormalize: each score of row t plus its a first)
+        const bool forward_form = from_zero(it);
+        auto add_masked = [&] {
+          if constexpr (kNormalize) {
+#pragma unroll
+            for (int i = 0; i < 32; ++i) score[i] += row_a[(i % 4) / 2];
+          }
+          add_masked_times<kHalf, true, true>(acc, score, kt, forward_form);
+        };
         // as dk's below: bfloat16 the masked product behind dO T once the scores are in, T's
         // update behind both while dq is stored; float16 takes the copy's scale back first
         if constexpr (!kHalf) {
           wait<1>();
-          add_masked_times<kHalf, true, true>(acc, score, kt);  // U(dO v^T) k
+          add_masked();
         }
         add_bt_times_c<kHalf>(t, vt, kt);  // T += v^T k: -S(c), the chunk before's
         commit();
         wait<1>();
         if constexpr (kHalf) {
           t_copy.scale_back(acc);
-          add_masked_times<kHalf, true, true>(acc, score, kt);
+          add_masked();
           wait<0>();
           ring.release(it, chunks);
           t_copy.post_max(t_copy.rows(t));
         }
-        store_rows<kHalf>(acc, factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+        const float sign = forward_form ? -1.f : 1.f;
+        if constexpr (kNormalize) {
+          minus_z.add_scaled_to_rows(acc, row_a);  // + a y
+          const float factors[2] = {sign * row_factors[0], sign * row_factors[1]};
+          store_rows<kHalf>(acc, factors, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+        } else {
+          store_rows<kHalf>(acc, sign * factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+        }
         if constexpr (!kHalf) {
           wait<0>();
           ring.release(it, chunks);
         }
-        dq_sync();  // every warp's wgmma has read T's copy
+        // the next chunk the sequence's first from a zero start: T = y = 0 (above), not taken down
+        const bool next_from_zero = from_zero(it + 1);
+        if (next_from_zero) {
+#pragma unroll
+          for (int i = 0; i < 32; ++i) t[i] = 0.f;
+        }
+        dq_sync();  // every warp's wgmma has read T's copy (kNormalize: and y)
+        if constexpr (kNormalize) {
+          if (next_from_zero) {
+            minus_z.set([](int) { return 0.f; });
+          } else {
+            minus_z.add(key_chunk);  // y = -z(c)
+          }
+        }
         t_copy.publish(t_copy.rows(t));
       }
       return;
