@@ -308,7 +308,8 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
     assert kept_segments(*make_inputs(1, sms, 300, 128, 64, dtype=dtype, device="cuda")).shape[1] == 0  # E above 64
     # under normalize the key sum's ends beside the state's (dq's extra row), the one pass in three
-    # launches (its state-only blocks and the scan)
+    # launches (its state-only blocks and the scan): bfloat16's default, float16's where =1 asks
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = make_inputs(2, 3, 300, 40, 24, dtype=dtype, device="cuda", normalize=True)
     kv0, k_sum0 = torch.randn(2, 3, 40, 24, device="cuda"), torch.rand(2, 3, 40, device="cuda") * 3
@@ -325,6 +326,13 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
         torch.autograd.grad(out.float().sum(), (q, k, v))
     assert one_pass_launches(names) >= 1 and wgmma_passes(names) == {"0"}, names
     assert any("backward_prepare" in n for n in names), names  # (dO . O: no dq pass makes them)
+    monkeypatch.delenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD")
+    with cuda_kernels_launched() as names:  # by default float16 runs the two passes there
+        out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+        torch.autograd.grad(out.float().sum(), (q, k, v))
+    one_pass = dtype == torch.bfloat16
+    assert (one_pass_launches(names) >= 1) == one_pass, names
+    assert wgmma_passes(names) == ({"0"} if one_pass else {"0", "1"}), names
     monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
     q, k, v = make_inputs(2, 3, 2048, 64, 64, dtype=dtype, device="cuda")
@@ -1267,10 +1275,11 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 as two
     reverse passes of wgmma_product_kernel (dk's extra row beside, q / den staged), and no mma.sync
     kernel anywhere; dO . O made by dq's producer where dq runs at up to two atoms in one
-    column tile, else by backward_prepare_kernel. Where E and M are up to 64 the backward is the
-    one pass (dq beside dk and dv on wgmma_grad_kv_kernel: no dq pass, dO . O by
-    backward_prepare_kernel). FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no
-    one-warpgroup instance has the normalizer)."""
+    column tile, else by backward_prepare_kernel. Where E and M are up to 64 the bfloat16
+    backward is the one pass (dq beside dk and dv on wgmma_grad_kv_kernel: no dq pass, dO . O by
+    backward_prepare_kernel; float16 the two passes: one_pass_backward).
+    FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no one-warpgroup instance has
+    the normalizer)."""
     B, H, L, E, M = shape
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = (x.requires_grad_() for x in make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True))
@@ -1288,12 +1297,13 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     narrow, fused = E <= 64 and M <= 64, E <= 128 and M <= 128
     assert any("wgmma_grad_kv_kernel" in n for n in names) == narrow, names
     assert any("wgmma_grad_kv_wide_kernel" in n for n in names) == (fused and not narrow), names
-    assert (one_pass_launches(names) >= 1) == narrow, names  # (the one pass: no dq pass)
-    dq = set() if narrow else {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
+    one_pass = narrow and dtype == torch.bfloat16
+    assert (one_pass_launches(names) >= 1) == one_pass, names  # (the one pass: no dq pass)
+    dq = set() if one_pass else {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
     assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
     # dO . O made by dq's producer where dq runs at up to two atoms in one column tile (64 of E a
     # group), else by backward_prepare_kernel before it
-    dq_makes_dots = not narrow and atoms(M) <= 2 and E <= 128
+    dq_makes_dots = not one_pass and atoms(M) <= 2 and E <= 128
     assert any("backward_prepare" in n for n in names) != dq_makes_dots, names
     # dk's Da is M, dv's E: one warpgroup, or four atoms on two
     two_passes = set() if fused else {("2", atoms(M), 2 if atoms(M) == 4 else 1),

@@ -299,10 +299,14 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 // each, in one launch, 0.123 (float16 0.124; H100, sixty-third session). Where those spanning
 // segments' blocks fill less than half the multiprocessors (1,4,32768,64: 64 blocks, as fast as
 // the two passes in bf16, 6% slower in float16), the forward keeps its starts and the backward
-// runs the two passes (keeps_one_pass_ends in kernel_common.cuh). Under normalize too (dq's
-// extra row from the key sum's ends, kept beside; three launches in segments; dO . O by
-// backward_prepare_kernel).
-// FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off (=1, the default, is accepted).
+// runs the two passes (keeps_one_pass_ends in kernel_common.cuh). Under normalize (dq's extra
+// row from the key sum's ends, kept beside; three launches in segments; dO . O by
+// backward_prepare_kernel) in bfloat16 only: the backward's kernels, ms, two passes -> one pass
+// (H100, sixty-fourth session), bf16 8,16,2048,64 0.147 -> 0.124, 4,16,8192,64 0.308 -> 0.305,
+// 2,4,8192,64 0.062 -> 0.058; float16 0.149 -> 0.142, 0.310 -> 0.335, 0.064 -> 0.065 (its one
+// pass 12% slower than bfloat16's at 4,16,8192,64: the scaled copy's work in dq's warpgroup).
+// FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off; =1 takes it wherever it can run, float16
+// under normalize too.
 // A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
 // p as given, its pass's states not set), so that the forward and the backward decide alike;
 // where the backward's states keep the kernel off after all, launch_backward_cuda runs the two
@@ -315,6 +319,8 @@ bool one_pass_backward(const KernelParams& p) {
   } else {
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
+    const bool forced = switch_ != nullptr && std::strcmp(switch_, "1") == 0;
+    if (p.normalize && std::is_same_v<scalar_t, at::Half> && !forced) return false;
     const char* fused = std::getenv("FAST_CAUSAL_ATTN_FUSED_GRAD_KV");
     if (fused != nullptr && std::strcmp(fused, "0") == 0) return false;
     if (p.cu_seqlens != nullptr || p.E > 64 || p.M > 64 || forced_family() != Family::Default) return false;
