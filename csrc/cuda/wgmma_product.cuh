@@ -761,12 +761,12 @@ __device__ __forceinline__ void times_state_copy(float (&d)[32], uint32_t a_tile
 }
 
 // The masked scores (row r, column c: c <= r kept, or c >= r for kReverse; kStrict: the diagonal
-// dropped too, c > r for the one-pass backward's dq, wgmma_grad_kv_kernel's kWithDq; there
+// dropped too, c > r for the one-pass backward's dq, wgmma_grad_kv_kernel's kWithDq, where
 // `complement`, a flag the same for the whole warpgroup, takes the mask's complement, c <= r) as
-// 16-bit register A fragments of the products by them, each warp its 16 rows: k-step s in a[s]. The warp's rank in
-// its warpgroup is made a constant (one branch a warp), so that only the two 8 x 8 blocks on the
-// diagonal compare columns with rows (the others are kept or zero whole): with the rank a
-// variable, each of the 32 scores took its own compare and select every chunk.
+// 16-bit register A fragments of the products by them, each warp its 16 rows: k-step s in a[s].
+// The warp's rank in its warpgroup is made a constant (one branch a warp), so that only the two
+// 8 x 8 blocks on the diagonal compare columns with rows (the others are kept or zero whole): with
+// the rank a variable, each of the 32 scores took its own compare and select every chunk.
 // Whether the mask keeps this lane's score[4 j + e] (row 16 kWarpRank + g + 8 (e / 2), column
 // 8 j + 2 q4 + e % 2).
 template <bool kReverse, int kWarpRank, bool kStrict = false>
@@ -803,7 +803,8 @@ __device__ __forceinline__ void masked_fragments_of(uint32_t (&a)[4][4], const f
     }
 }
 template <bool kHalf, bool kReverse, bool kStrict = false>
-__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32], bool complement = false) {
+__device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const float (&score)[32],
+                                                 bool complement = false) {
   with_warp_rank(
       [&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value, kStrict>(a, score, complement); });
 }
