@@ -2051,8 +2051,8 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       float t[32];
       {  // minus the forward's state [E, M] at the segment's end, transposed (the end of the last of
          // the forward's segments it spans: KernelParams::one_pass_span); kNormalize: minus its key
-         // sum's end (the forward's segment_k_sum). Zeros where the segment is the sequence's one
-         // chunk from a zero start (above).
+         // sum's end (the forward's segment_k_sum). Zeros where the segment is one chunk, the
+         // sequence's first, from a zero start (above).
         const bool zeros = from_zero(0);
         const int64_t spanned = min((work.segment + 1) * p.one_pass_span, p.forward_segments);
         const int64_t kept = work.pair * p.forward_segments + spanned - 1;
