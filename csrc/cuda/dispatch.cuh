@@ -304,7 +304,8 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 // backward_prepare_kernel) in bfloat16 only: the backward's kernels, ms, two passes -> one pass
 // (H100, sixty-fourth session), bf16 8,16,2048,64 0.147 -> 0.124, 4,16,8192,64 0.308 -> 0.305,
 // 2,4,8192,64 0.062 -> 0.058; float16 0.149 -> 0.142, 0.310 -> 0.335, 0.064 -> 0.065 (its one
-// pass 12% slower than bfloat16's at 4,16,8192,64: the scaled copy's work in dq's warpgroup).
+// pass 12% slower than bfloat16's at 4,16,8192,64, where the plain one passes differ by 2%: not
+// yet profiled).
 // FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off; =1 takes it wherever it can run, float16
 // under normalize too.
 // A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
