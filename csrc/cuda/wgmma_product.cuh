@@ -2079,12 +2079,16 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         const uint32_t kt = tile_of(ring.slot, 1), vt = tile_of(ring.slot, 2), dt = tile_of(ring.slot, 3);
         const int64_t t0 = chunk_begin(it);
         const int n = work.chunk_len(t0, C);
-        // kNormalize: the lane's rows' a = -dO[t] . O[t] and factors -scale / den[t] (zero past
-        // the chunk's rows), from the chunk's row terms before the slot's release
+        // U(dO v^T) k, or in the forward's form L(dO v^T) k, whose sign the store's factor takes
+        // (T and y zeros there)
+        const bool forward_form = from_zero(it);
+        const float out_factor = forward_form ? -factor : factor;
+        // kNormalize: the lane's rows' a = -dO[t] . O[t] and factors out_factor / den[t] (zero
+        // past the chunk's rows), from the chunk's row terms before the slot's release
         float row_a[2], row_factors[2];
         if constexpr (kNormalize) {
-          terms.dq_rows(row_a, ring.slot, n, true, factor);
-          terms.dq_rows(row_factors, ring.slot, n, false, factor);
+          terms.dq_rows(row_a, ring.slot, n, true, out_factor);
+          terms.dq_rows(row_factors, ring.slot, n, false, out_factor);
         }
         float score[32], acc[32];
         fence();
@@ -2094,10 +2098,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         commit();
         float key_chunk[1][2];  // (kNormalize) k's column sums over the chunk: y's update
         if constexpr (kNormalize) minus_z.chunk_sums(key_chunk, kt);  // while the products run
-        // U(dO v^T) k, or in the forward's form L(dO v^T) k, its sign taken at the store (T and y
-        // zeros there; kNormalize: each score of row t plus its a first)
-        const bool forward_form = from_zero(it);
-        auto add_masked = [&] {
+        auto add_masked = [&] {  // (kNormalize: each score of row t plus its a first)
           if constexpr (kNormalize) {
 #pragma unroll
             for (int i = 0; i < 32; ++i) score[i] += row_a[(i % 4) / 2];
@@ -2120,13 +2121,11 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
           ring.release(it, chunks);
           t_copy.post_max(t_copy.rows(t));
         }
-        const float sign = forward_form ? -1.f : 1.f;
         if constexpr (kNormalize) {
           minus_z.add_scaled_to_rows(acc, row_a);  // + a y
-          const float factors[2] = {sign * row_factors[0], sign * row_factors[1]};
-          store_rows<kHalf>(acc, factors, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+          store_rows<kHalf>(acc, row_factors, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
         } else {
-          store_rows<kHalf>(acc, sign * factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
+          store_rows<kHalf>(acc, out_factor, q_staging, ops_q.out + t0 * ops_q.out_l, ops_q.out_l, n, E);
         }
         if constexpr (!kHalf) {
           wait<0>();
