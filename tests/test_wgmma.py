@@ -236,14 +236,14 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
 
 
-def keeping_forward(q, k, v, kv0=None, k_sum0=None):
+def keeping_forward(q, k, v, kv0=None, k_sum0=None, normalize=False):
     """The forward op's results with its segments kept (keep_segments), bhld, scale 1."""
-    return torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, False, 1e-6, "bhld", False, True)
+    return torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, normalize, 1e-6, "bhld", False, True)
 
 
-def kept_segments(q, k, v, kv0=None, k_sum0=None):
+def kept_segments(q, k, v, kv0=None, k_sum0=None, normalize=False):
     """The forward op's kept segments (their starts, or their ends for the one-pass backward)."""
-    return keeping_forward(q, k, v, kv0, k_sum0)[4]
+    return keeping_forward(q, k, v, kv0, k_sum0, normalize)[4]
 
 
 def segment_ends(k, v, kv0, count):
@@ -313,14 +313,13 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", "3")
     q, k, v = make_inputs(2, 3, 300, 40, 24, dtype=dtype, device="cuda", normalize=True)
     kv0, k_sum0 = torch.randn(2, 3, 40, 24, device="cuda"), torch.rand(2, 3, 40, device="cuda") * 3
-    results = torch.ops.fast_causal_attn.forward(q, k, v, kv0, k_sum0, None, 1.0, True, 1e-6, "bhld", False, True)
-    kept, kept_key_sums = results[4], results[5]
+    kept, kept_key_sums = keeping_forward(q, k, v, kv0, k_sum0, normalize=True)[4:6]
     assert kept.shape[1] == 3 and kept_key_sums.shape == (6, 3, 40), (kept.shape, kept_key_sums.shape)
     assert relative_error(kept, segment_ends(k, v, kv0, 3)) <= 1e-5
     ones = torch.ones(2, 3, 300, 1, dtype=dtype, device="cuda")  # k^T 1: the key sums
     exact_key_sums = segment_ends(k, ones, k_sum0.unsqueeze(-1), 3).squeeze(-1)
     assert relative_error(kept_key_sums, exact_key_sums) <= 1e-5
-    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 40, 24, dtype=dtype, device="cuda", normalize=True))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         torch.autograd.grad(out.float().sum(), (q, k, v))
@@ -399,8 +398,7 @@ def test_one_pass_backward_spanning_the_forwards_segments(layout, normalize, dty
     shape = (-(-sms // 36), 2, 1100, 64, 48)
     q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", layout=layout, normalize=normalize)
     qb, kb, vb = (x.transpose(1, 2).contiguous() if layout == "blhd" else x for x in (q, k, v))
-    kept = torch.ops.fast_causal_attn.forward(qb, kb, vb, None, None, None, 1.0, normalize, 1e-6, "bhld", False,
-                                              True)[4]
+    kept = kept_segments(qb, kb, vb, normalize=normalize)
     assert kept.shape[1] == 18, kept.shape
     assert relative_error(kept, segment_ends(kb, vb, None, 18)) <= 1e-5  # the ends, not the starts
     check_at_two_scales(q, k, v, layout, normalize)
