@@ -417,7 +417,7 @@ def test_normalized_one_pass_backward(shape, layout, segments, dtype, monkeypatc
     """The one-pass backward under normalize: dq's extra row (a = -dO . O added to each kept score
     of U, a times minus the key sum taken down from the forward's kept end added to each row, each
     row times -scale / den) beside dk's (e, q / den), in one segment, in three (three launches: its
-    state-only blocks and the scan; no one launch under normalize) or 20 asked (as many as there
+    state-only blocks and the scan; the normalized backward has no one launch) or 20 asked (as many as there
     are chunks, up to 16), whole and partial last chunks, a sequence of one chunk, E != M, both
     layouts, two scales: the output and each gradient within the dtype's bound of float64
     (check_at_two_scales). (Its launches: test_one_pass_backward_where_the_forward_kept_its_ends;
@@ -672,6 +672,76 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", "0")
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("state", ["zero", "given"])
+@pytest.mark.parametrize("segments", ["3", "64"])
+def test_normalized_forward_in_one_launch(segments, state, dtype, monkeypatch):
+    """Under normalize the 16-bit forward in time segments runs in one launch too (E and M up to
+    64): each block publishes its segment's key sums beside its state's and starts from the sums
+    of the segments before it and the given start, with no state-only launch and no scan, where
+    FAST_CAUSAL_ATTN_ONE_LAUNCH=0 runs the three launches. What it keeps for the backward, the
+    segments' starts (the state's and the key sums', without the given start) or, for the one
+    pass, their ends, is the three launches' to float32 rounding, and the output is within the
+    dtype's bound of float64 either way. 64 segments: blocks wait on blocks that started before
+    them only. (The launches are counted in test_normalized_forward_launches, not here: the
+    sanitizer subset runs this test, and the profiler sees no kernels under it.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    B, H, L, E, M = 2, 3, 4100, 64, 48
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=True)
+    given = [torch.randn(B, H, E, M, device="cuda"), torch.rand(B, H, E, device="cuda") * 3] if state == "given" \
+        else None
+    exact = reference_with_state(q, k, v, given, normalize=True)[0]
+    bound = max(2 * relative_error(reference_with_state(q, k, v, given, normalize=True, dtype=dtype)[0], exact),
+                ERROR_FLOOR[dtype])
+    for one_pass in ("0", "1"):  # (the starts kept, or the ends: bfloat16's one pass; float16's where =1 asks)
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
+        results = {}
+        for one_launch in ("1", "0"):
+            monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+            results[one_launch] = torch.ops.fast_causal_attn.forward(
+                q, k, v, *(given or (None, None)), None, 1.0, True, 1e-6, "bhld", False, True)
+            assert relative_error(results[one_launch][0], exact) <= bound, (one_pass, one_launch)
+        for kept_one, kept_three in zip(results["1"][4:6], results["0"][4:6]):  # the state's, the key sums'
+            assert kept_one.shape == kept_three.shape and kept_one.shape[1] > 1, kept_one.shape
+            scale = kept_three.abs().max().clamp_min(1e-30)
+            assert ((kept_one - kept_three).abs().max() / scale).item() < 1e-5, one_pass
+
+
+@CUDA
+@SM90
+@EXPECT_WGMMA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments", ["3", "64"])
+def test_normalized_forward_launches(segments, dtype, monkeypatch):
+    """The launches of test_normalized_forward_in_one_launch's calls: one wgmma_product_kernel and
+    no scan where FAST_CAUSAL_ATTN_ONE_LAUNCH=1, the state-only launch, the pass and the scans
+    where =0, keeping the starts or (the one pass) the ends; and by default one launch at 3
+    segments, three at 64 (above 16: one_launch_segments)."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    q, k, v = make_inputs(2, 3, 4100, 64, 48, dtype=dtype, device="cuda", normalize=True)
+    given = [torch.randn(2, 3, 64, 48, device="cuda"), torch.rand(2, 3, 64, device="cuda") * 3]
+
+    def launches():
+        return kernel_launches(lambda: torch.ops.fast_causal_attn.forward(
+            q, k, v, *given, None, 1.0, True, 1e-6, "bhld", False, True))[1]
+
+    for one_pass in ("0", "1"):
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
+        for one_launch in ("1", "0", None):
+            if one_launch is None:
+                monkeypatch.delenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", raising=False)
+            else:
+                monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+            three = one_launch == "0" or (one_launch is None and segments == "64")
+            names = launches()
+            assert launches_of(names, "wgmma_product_kernel") == (2 if three else 1), (one_pass, one_launch, names)
+            assert any("scan_segments" in n for n in names) == three, (one_pass, one_launch, names)
 
 
 @CUDA
@@ -1267,7 +1337,8 @@ def test_float32_normalized_in_64_row_tiles(segments, monkeypatch):
 def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     """The 16-bit normalized forward runs on wgmma_product_kernel (one or two atoms on one warpgroup
     or two; four, above 128 of the state's rows, split between two), in segments through the
-    state-only launch and the scan (its one-launch segments carry no key sums), and on no mma.sync
+    state-only launch and the scan, or at E and M up to 64 in one launch (its key sums published
+    beside the state's: test_normalized_forward_in_one_launch), and on no mma.sync
     kernel; in its backward dq on wgmma_product_kernel (the extra row beside) with the same
     instances, dk with dv in one pass on wgmma_grad_kv_kernel where E and M are up to 64 and on
     wgmma_grad_kv_wide_kernel up to 128 (q / den staged, the extra row beside), above 128 as two
@@ -1288,7 +1359,8 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     with cuda_kernels_launched() as names:
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
     assert wgmma_instances(names) == {("0", atoms(E), 2 if atoms(E) == 4 or M > 64 else 1)}, names
-    assert any("scan_segments" in n for n in names), names
+    # in three launches (the state-only blocks, the scans, the pass), or at E and M up to 64 in one
+    assert any("scan_segments" in n for n in names) != (E <= 64 and M <= 64), names
     assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
     with cuda_kernels_launched() as names:
         torch.autograd.grad(out.float().sum(), (q, k, v))

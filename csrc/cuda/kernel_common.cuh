@@ -115,6 +115,7 @@ struct KernelParams : BackwardParams {
   // one flag a block; zeroed before the launch. nullptr: the state-only launch and the scan.
   unsigned* lookback = nullptr;
   float* seg_sums = nullptr;  // [B * H, segments, Da, Dc]: each segment's own sums (one launch)
+  float* seg_own_key_sums = nullptr;  // [B * H, segments, Da]: its key sums beside (the forward's, normalize)
   // A plan (plan_forward_segments): the launchers decide as for a run and return the forward's
   // segment count (ForwardSegments::count) instead of allocating or launching anything.
   bool dry_run = false;
@@ -651,16 +652,21 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   if (p.segments > 1 && !p.seg_from_forward && one_launch != nullptr) {
     allow_dynamic_smem(one_launch, smem);
-    // (the kernels that have it sum the state alone: no key sums, no extra row, no heads and tails)
-    TORCH_CHECK(workspace.dtype == at::kFloat && workspace.key_sum.numel == 0 && workspace.extra.numel == 0 &&
-                    p.state_head == 0 && (P == Pass::Forward || P == Pass::GradKV),
-                "fast_causal_attn: internal: a one-launch segmented pass sums float32 states alone");
+    // (the kernels that have it sum float32 states, and the forward's key sums under normalize: no
+    // extra row, no heads and tails)
+    const bool key_sums = P == Pass::Forward && p.normalize;
+    TORCH_CHECK(workspace.dtype == at::kFloat && (key_sums || workspace.key_sum.numel == 0) &&
+                    workspace.extra.numel == 0 && p.state_head == 0 && (P == Pass::Forward || P == Pass::GradKV),
+                "fast_causal_attn: internal: a one-launch segmented pass sums float32 states (and key sums) alone");
     KernelParams one = p;
     const int64_t sums = p.num_seqs * p.H * p.segments * Da * Dc;
-    // the segments' own sums, then the counter and one flag a block (zeroed)
-    const at::Tensor buffer = at::empty({sums + 1 + blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+    const int64_t own_key_sums = key_sums ? p.num_seqs * p.H * p.segments * Da : 0;
+    // the segments' own sums (and key sums), then the counter and one flag a block (zeroed)
+    const at::Tensor buffer =
+        at::empty({sums + own_key_sums + 1 + blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
     one.seg_sums = buffer.data_ptr<float>();
-    one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums);
+    one.seg_own_key_sums = key_sums ? one.seg_sums + sums : nullptr;
+    one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums + own_key_sums);
     C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
     one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(one, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -271,8 +271,11 @@ void launch_after_row_tile(Kernel kernel, const KernelParams& p, int64_t blocks,
 // Whether pass P's `segments` time segments (the count the launch will run) take one launch
 // (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
 // 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
-// wgmma_grad_kv_kernel<T, true>, instances of their own), E and M up to 64, 2 to 16 segments, 2
-// to 8 where `stream` is being captured into a CUDA graph.
+// wgmma_grad_kv_kernel<T, true>, instances of their own; under normalize the forward's alone,
+// <Forward, T, 1, 1, true, true>), E and M up to 64, 2 to 16 segments, 2 to 8 where `stream` is
+// being captured into a CUDA graph. Under normalize as plain (H100, RESULTS.md, sixty-fifth
+// session, bf16 forward kernels, one launch against three): 4,16,8192,64 0.137 against 0.145 ms,
+// 2,4,8192,64 (16 segments) 0.038 against 0.037, do_bench fwd 0.046 against 0.047.
 // Measured (bf16, H200, RESULTS.md, twenty-seventh session; kernels' ms, one launch against three
 // with the scan): 4,16,8192,64 (5 segments forward, 2 dk and dv) forward 0.102 against 0.106, dk
 // and dv 0.152 against 0.160; at 4 and 8 segments even (1,8,16384,64 forward 0.057 against
@@ -410,7 +413,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     }
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
-  // (none under normalize: its one-launch sums would need the key sums too)
+  // (under normalize the forward's alone, its key sums published beside the state's: dk with dv's
+  // would need the extra row's too)
   const auto one_launch_kernel = [atoms, groups, wide, normalize, one_pass]() -> decltype(kernel) {
     if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
       (void)atoms, (void)groups, (void)wide, (void)normalize, (void)one_pass;
@@ -421,7 +425,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return wide || normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
       (void)wide, (void)one_pass;
-      return atoms == 1 && groups == 1 && !normalize ? wgmma_product_kernel<P, scalar_t, 1, 1, true> : nullptr;
+      if (atoms != 1 || groups != 1) return nullptr;
+      return normalize ? wgmma_product_kernel<P, scalar_t, 1, 1, true, true> : wgmma_product_kernel<P, scalar_t, 1, 1, true>;
     }
   }();
   // each pass alone: its groups and a producer warpgroup (one launch's instances too); dk with dv:

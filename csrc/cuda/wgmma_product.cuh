@@ -1259,8 +1259,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // each group's row sums over its half of Da, the second's added to the first's beside its
   // partial outputs; the extra rows' terms in the first group's partial scores and summed outputs
   // alone)
-  static_assert(!kNormalize || (!kOneLaunch && (kAtoms <= 2 || kGroups == 2)),
-                "normalize: Da up to 128, or 256 on two warpgroups");
+  static_assert(!kNormalize || (kAtoms <= 2 || kGroups == 2), "normalize: Da up to 128, or 256 on two warpgroups");
   // (kNormalize) dk's q / den and dv's dO / den: their Cc, divided by the producer once staged
   constexpr bool kDividesCc = kNormalize && kReverse;
   // (kNormalize) the extra row's key sums (KeySums): dq's z (the sums of k, its Cc) and dk's e (the
@@ -1539,11 +1538,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       for (int a = 0; a < kStateAtoms; ++a)
 #pragma unroll
         for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
+      if constexpr (kNormalize) keys.set([](int) { return 0.f; });  // (z: the segment's own key sums too)
       sum_own_chunks();  // (summed = chunks)
 #pragma unroll
       for (int a = 0; a < kStateAtoms; ++a) {
         store_end(state[a], p.seg_sums + (slot0 + work.segment) * Da * Dc, Da, Dc, row0 + 64 * a, m0);
       }
+      if constexpr (kNormalize) keys.store(p.seg_own_key_sums + (slot0 + work.segment) * Da + row0, Da - row0);
       lookback::publish(flags + work.segment, consumers_sync);
     }
     lookback::wait_for(flags, work.segment, consumers_sync, kConsumers);
@@ -1565,7 +1566,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     }
   }
   // kNormalize: z (e) from the segment's start (zeros in state-only blocks), seen after the ring's first wait
-  if constexpr (kNormalize && P == Pass::Forward) {
+  if constexpr (kNormalize && kOneLaunch) {
+    // (one launch: the key sums of the segments before, published beside their states, stored
+    // where the scan would have left them for the dq pass, as the state's are; then the given
+    // start's, which dq adds itself)
+    const int64_t slot0 = work.pair * p.segments;
+    keys.set([&](int column) {
+      float value = 0.f;
+      if (row0 + column < Da) {
+        for (int64_t s = 0; s < work.segment; ++s) value += __ldcg(p.seg_own_key_sums + (slot0 + s) * Da + row0 + column);
+      }
+      return value;
+    });
+    if (p.seg_key_sum != nullptr) {
+      keys.store(static_cast<float*>(p.seg_key_sum) + (slot0 + work.segment) * Da + row0, Da - row0);
+    }
+    if (p.start_vector != nullptr) {
+      const float* const given = static_cast<const float*>(p.start_vector) + work.pair * Da + row0;
+      keys.set([&](int column) { return row0 + column < Da ? keys.z[column] + given[column] : 0.f; });
+    }
+  } else if constexpr (kNormalize && P == Pass::Forward) {
     const SegmentStart<float> start(p, work.pair, work.segment, Da, Dc);
     keys.set([&](int column) { return !state_only && row0 + column < Da ? start.key_sum(row0 + column) : 0.f; });
   } else if constexpr (kExtraRow) {  // the extra row's start (with_state_io's z0, dk's dz1), this group's columns
