@@ -27,6 +27,12 @@ EXPECT_WGMMA = pytest.mark.skipif(os.environ.get("FAST_CAUSAL_ATTN_EXPECT_WGMMA"
                                   reason="FAST_CAUSAL_ATTN_EXPECT_WGMMA=1 says the build holds sm_90a code")
 
 
+def on_the_wgmma_kernels(test):
+    """A test of what the wgmma kernels themselves do (their launches, their instances): CUDA, an
+    sm_90 device, and a build that holds their sm_90a code (EXPECT_WGMMA)."""
+    return CUDA(SM90(EXPECT_WGMMA(test)))
+
+
 def output_and_gradients(q, k, v, grad_out):
     """causal_dot_product's output and its gradients into q, k and v for the cotangent grad_out."""
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
@@ -54,9 +60,7 @@ def wgmma_passes(names):
     return {pass_ for pass_, _, _ in wgmma_instances(names)}
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_training_step_takes_the_wgmma_kernels(dtype, monkeypatch):
     """At any count of (batch, head) pairs (a few, one for each multiprocessor, two for each) the
@@ -81,9 +85,7 @@ def test_training_step_takes_the_wgmma_kernels(dtype, monkeypatch):
         assert any("tensorcore_product_kernel" in n for n in names), names
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("groups", ["2", "1"], ids=["two-warpgroups", "column-tiles"])
 def test_head_dim_128_takes_two_atoms(groups, dtype, monkeypatch):
@@ -203,9 +205,7 @@ def wgmma_instances(names):
     return found
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("groups", ["2", "1"], ids=["split-rows", "one-warpgroup"])
 def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
@@ -262,9 +262,7 @@ def segment_ends(k, v, kv0, count):
     return torch.stack(ends, dim=2).flatten(0, 1)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     """The forward keeps its time segments' ends for the one-pass backward (16-bit, E and M up to
@@ -345,9 +343,7 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
     assert one_pass_launches(names) == 0 and wgmma_passes(names) == {"0", "1"}, names
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["1", "3", "3-three-launches", "20"])
@@ -376,9 +372,7 @@ def test_one_pass_backward(shape, layout, backward, segments, dtype, monkeypatch
     check_at_two_scales(q, k, v, layout)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
@@ -404,9 +398,7 @@ def test_one_pass_backward_spanning_the_forwards_segments(layout, normalize, dty
     check_at_two_scales(q, k, v, layout, normalize)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["1", "3", "20"])
@@ -428,9 +420,7 @@ def test_normalized_one_pass_backward(shape, layout, segments, dtype, monkeypatc
     check_at_two_scales(q, k, v, layout, normalize=True)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
@@ -457,9 +447,7 @@ def test_one_pass_backward_with_states(shape, segments, normalize, dtype, monkey
     assert one_pass_launches(names) >= 1, names
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_dv_when_the_forward_ran_in_segments_and_dk_did_not(dtype):
@@ -510,9 +498,7 @@ def test_16_bit_two_reverse_passes(shape, segments, dtype, normalize, monkeypatc
     check_against_reference(q, k, v, scale=0.7, normalize=normalize, layout="blhd")
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_normalized_two_reverse_passes_take_the_wgmma_kernel(dtype, monkeypatch):
     """Under normalize, FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0 at E, M up to 128 runs dk and dv as the
@@ -564,9 +550,7 @@ def test_16_bit_plain_unaligned_rows(width, wgmma, dtype, monkeypatch):
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_unaligned_rows_take_the_wgmma_kernels(dtype):
     """The wgmma kernels stage and store whole 16-byte rows only; rows off 16-byte boundaries (a
@@ -581,9 +565,7 @@ def test_unaligned_rows_take_the_wgmma_kernels(dtype):
     assert products and all("wgmma" in n for n in products), names
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long(monkeypatch):
     """The wgmma forward at E, M <= 64 fits two blocks a multiprocessor: where filling the
     multiprocessors once takes segments (half as many pairs as multiprocessors: 2), it takes twice
@@ -619,9 +601,7 @@ def forward_launches(q, k, v):
     return counts, results
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["3", "64"])
@@ -674,9 +654,7 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
     check_against_reference(q, k, v, scale=0.7, normalize=False, layout="bhld")
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("state", ["zero", "given"])
@@ -713,9 +691,7 @@ def test_normalized_forward_in_one_launch(segments, state, dtype, monkeypatch):
             assert ((kept_one - kept_three).abs().max() / scale).item() < 1e-5, one_pass
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["3", "64"])
 def test_normalized_forward_launches(segments, dtype, monkeypatch):
@@ -744,9 +720,7 @@ def test_normalized_forward_launches(segments, dtype, monkeypatch):
             assert any("scan_segments" in n for n in names) == three, (one_pass, one_launch, names)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("segments", ["8", "16"])
 def test_one_launch_segments_under_graph_capture(segments, monkeypatch):
     """A call captured into a CUDA graph replays without the host's cost of issuing it, so that
@@ -803,9 +777,7 @@ def tf32_kernels(names):
     return {(a[0], a[1] == "true") for a in map(tf32_arguments, (n for n in names if "wgmma_tf32_product_kernel" in n))}
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_takes_the_wgmma_kernels(allow_tf32, monkeypatch):
     """float32 at E = M = 64: at any count of pairs and length every pass runs on the float32 wgmma
@@ -851,9 +823,7 @@ def training_step_tf32_launches(q, k, v):
     return wgmma_tf32_launches(grads)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 def test_float32_grad_v_reads_grad_k_segments(monkeypatch):
     """In time segments the dv pass starts from the dk pass's segment starts, transposed (dk's state
@@ -928,9 +898,7 @@ def test_float32_row_tiles_are_deterministic(tile_rows, head_dim, segments, laun
             assert torch.equal(x, y), name
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("layout", ["bhld", "blhd"])
 @pytest.mark.parametrize("shape", [(1, 2, 300, 128, 128), (2, 3, 130, 128, 64), (2, 1, 130, 200, 136),
@@ -952,9 +920,7 @@ def test_float32_row_tiles_one_launch_each(normalize, tile_rows, shape, layout, 
     check_against_reference(q, k, v, scale=0.8, normalize=normalize, layout=layout)
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 def test_float32_row_tiles_launch_choice(monkeypatch):
     """By default float32's row tiles (here of 64 rows: FAST_CAUSAL_ATTN_ROW_TILE_ROWS=64) run one
     launch each where one row tile's blocks take as many rounds of the multiprocessors as all
@@ -982,9 +948,7 @@ def test_float32_row_tiles_launch_choice(monkeypatch):
     assert training_step_tf32_launches(q, k, v) == {"0": 4, "1": 3, "2": 3, "3": 4}
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 def test_float32_row_tiles_of_128_rows(monkeypatch):
     """By default a float32 block holds 128 of the state's rows above 64: up to 128 one launch a
     pass, no row tiles to sum (at 2 * sms pairs, where 64-row tiles run two launches), above 128
@@ -1025,9 +989,7 @@ def test_float32_unaligned_rows(wgmma, monkeypatch):
     check_against_reference(q, k, v, scale=1.0, normalize=False, layout="bhld")
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("head", [0, 1, 3, 7])
 @pytest.mark.parametrize("segments,shape", [(2, (1, 2, 1000, 64, 64)), (3, (2, 1, 700, 128, 40)), (4, (1, 2, 700, 128, 128))],
@@ -1048,9 +1010,7 @@ def test_float32_state_heads_and_tails(shape, segments, head, monkeypatch):
     check_against_reference(q, k, v, scale=0.9, normalize=False, layout="bhld")
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("segments,shape", [(2, (1, 2, 4100, 64, 64)), (3, (1, 2, 4100, 128, 96))],
                          ids=lambda case: str(case) if isinstance(case, int) else shape_id(case))
@@ -1071,9 +1031,7 @@ def test_float32_state_only_ring(shape, segments, monkeypatch):
         assert torch.equal(x, y), name
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 2, 1000, 128, 128)], ids=shape_id)
 def test_float32_magnitudes_spread_within_a_tile(shape):
@@ -1144,9 +1102,7 @@ def check_state_call(q, k, v, state0, dims, gen, attend, reference, exact_in_flo
         assert err <= tolerance, f"{name}: relative error {err:.3g} > tolerance {tolerance:.3g}"
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_states_take_the_wgmma_kernels(dtype, monkeypatch):
     """A state in and out without normalize runs on the wgmma kernels, forward and backward (16-bit:
@@ -1199,9 +1155,7 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
                      exact_in_float32={"final kv", "final k_sum", "grad kv0", "grad k_sum0"})
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("allow_tf32", [False, True], ids=["exact", "tf32-allowed"])
 def test_float32_normalized_forward_takes_the_wgmma_kernel(allow_tf32, monkeypatch):
     """float32 under normalize: the forward runs on wgmma_tf32_product_kernel's normalizer instances
@@ -1327,9 +1281,7 @@ def test_float32_normalized_in_64_row_tiles(segments, monkeypatch):
     check_normalized_state_call((1, 2, 300, 96, 256), ("64-row tiles", segments))
 
 
-@CUDA
-@SM90
-@EXPECT_WGMMA
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (2, 1, 200, 40, 256),
                                    (1, 3, 333, 128, 40), (2, 1, 150, 40, 96), (1, 2, 300, 256, 72),
