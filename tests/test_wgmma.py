@@ -595,10 +595,17 @@ def launches_of(counts, part):
     return sum(c for n, c in counts.items() if part in n)
 
 
-def forward_launches(q, k, v):
-    """The forward op's kernels (name -> launches) and its results, with its segment starts kept."""
-    results, counts = kernel_launches(lambda: keeping_forward(q, k, v))
+def forward_launches(q, k, v, kv0=None, k_sum0=None, normalize=False):
+    """The forward op's kernels (name -> launches) and its results, with its segments kept
+    (keeping_forward)."""
+    results, counts = kernel_launches(lambda: keeping_forward(q, k, v, kv0, k_sum0, normalize))
     return counts, results
+
+
+def max_relative_difference(a, b):
+    """The largest |a - b| over the largest |b|: two ways of summing the same segments agree to
+    float32 rounding where this is below 1e-5."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
 @on_the_wgmma_kernels
@@ -633,8 +640,7 @@ def test_one_launch_segments(shape, segments, dtype, monkeypatch):
     assert products(three) == 2 and scans(three), three
     starts_one, starts_three = rest_one[3], rest_three[3]
     assert starts_one.shape == starts_three.shape and starts_one.shape[1] > 1, starts_one.shape
-    scale = starts_three.abs().max().clamp_min(1e-30)
-    assert ((starts_one - starts_three).abs().max() / scale).item() < 1e-5
+    assert max_relative_difference(starts_one, starts_three) < 1e-5
     exact = reference(q, k, v, dtype=torch.float64)
     plain = reference(q, k, v, dtype=dtype)
     bound = max(2 * relative_error(plain, exact), ERROR_FLOOR[dtype])
@@ -682,13 +688,11 @@ def test_normalized_forward_in_one_launch(segments, state, dtype, monkeypatch):
         results = {}
         for one_launch in ("1", "0"):
             monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
-            results[one_launch] = torch.ops.fast_causal_attn.forward(
-                q, k, v, *(given or (None, None)), None, 1.0, True, 1e-6, "bhld", False, True)
+            results[one_launch] = keeping_forward(q, k, v, *(given or (None, None)), normalize=True)
             assert relative_error(results[one_launch][0], exact) <= bound, (one_pass, one_launch)
         for kept_one, kept_three in zip(results["1"][4:6], results["0"][4:6]):  # the state's, the key sums'
             assert kept_one.shape == kept_three.shape and kept_one.shape[1] > 1, kept_one.shape
-            scale = kept_three.abs().max().clamp_min(1e-30)
-            assert ((kept_one - kept_three).abs().max() / scale).item() < 1e-5, one_pass
+            assert max_relative_difference(kept_one, kept_three) < 1e-5, one_pass
 
 
 @on_the_wgmma_kernels
@@ -702,11 +706,6 @@ def test_normalized_forward_launches(segments, dtype, monkeypatch):
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(2, 3, 4100, 64, 48, dtype=dtype, device="cuda", normalize=True)
     given = [torch.randn(2, 3, 64, 48, device="cuda"), torch.rand(2, 3, 64, device="cuda") * 3]
-
-    def launches():
-        return kernel_launches(lambda: torch.ops.fast_causal_attn.forward(
-            q, k, v, *given, None, 1.0, True, 1e-6, "bhld", False, True))[1]
-
     for one_pass in ("0", "1"):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
         for one_launch in ("1", "0", None):
@@ -715,7 +714,7 @@ def test_normalized_forward_launches(segments, dtype, monkeypatch):
             else:
                 monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
             three = one_launch == "0" or (one_launch is None and segments == "64")
-            names = launches()
+            names = forward_launches(q, k, v, *given, normalize=True)[0]
             assert launches_of(names, "wgmma_product_kernel") == (2 if three else 1), (one_pass, one_launch, names)
             assert any("scan_segments" in n for n in names) == three, (one_pass, one_launch, names)
 

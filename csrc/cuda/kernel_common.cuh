@@ -296,6 +296,11 @@ __device__ __forceinline__ void load_rows(const acc_t* src, acc_t (&dst)[ROWS]) 
 
 int multiprocessor_count();
 
+// How many of the forward's `segments` each of the one pass's spans (KernelParams::one_pass_span).
+inline int64_t one_pass_span(int64_t segments) {
+  constexpr int64_t most = KernelParams::kMaxOnePassSegments;
+  return (segments + most - 1) / most;
+}
 // Whether the forward in `segments` time segments keeps their ends for the one-pass backward
 // (one_pass_backward in dispatch.cuh; the forward's launcher and launch_backward_cuda both ask).
 // Up to KernelParams::kMaxOnePassSegments the one pass runs in them; above, each of its segments
@@ -304,11 +309,6 @@ int multiprocessor_count();
 // sixty-third session, GPU ms fwd+bwd, spanning one pass against two passes: 1,8,16384,64 in 16
 // of 32, 128 blocks, bf16 0.123 / 0.138, fp16 0.124 / 0.141; 1,4,32768,64 in 16 of 64, 64
 // blocks, bf16 0.151 / 0.151, fp16 0.160 / 0.151): there the forward keeps its starts.
-// How many of the forward's `segments` each of the one pass's spans (KernelParams::one_pass_span).
-inline int64_t one_pass_span(int64_t segments) {
-  constexpr int64_t most = KernelParams::kMaxOnePassSegments;
-  return (segments + most - 1) / most;
-}
 inline bool keeps_one_pass_ends(int64_t pairs, int64_t segments) {
   if (segments <= KernelParams::kMaxOnePassSegments) return true;
   const int64_t span = one_pass_span(segments);
