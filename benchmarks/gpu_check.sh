@@ -202,9 +202,10 @@ sanitize_stage() {
   sanitize wgmma "cuda and not cuda- and (test_matches_reference and B2H3L65E16M16 and plain and (float16 or bfloat16) or test_rows_at_any_alignment)"
   # the one-launch segments at E, M up to 64 (KernelParams::lookback: the forward, dk with dv)
   sanitize one_launch "test_16_bit_plain and B2H3L333E40M24 and blhd and (3-wgmma or 8-wgmma)" tests/test_wgmma.py
-  # the normalized forward in one launch (its key sums published beside the state's), from a given
-  # start; not under racecheck (the normalized forward's named-barrier pattern: wgmma_normalize)
-  sanitize one_launch_normalize "test_normalized_forward_in_one_launch and 3-given and bfloat16" tests/test_wgmma.py racecheck
+  # the normalized forward and dk with dv in one launch (the key sums, the extra row's sums published
+  # beside the state's), from a given start; not under racecheck (the normalized kernels'
+  # named-barrier pattern: wgmma_normalize)
+  sanitize one_launch_normalize "(test_normalized_forward_in_one_launch or test_normalized_grad_kv_in_one_launch) and 3-given and bfloat16" tests/test_wgmma.py racecheck
   # states in and out on the wgmma kernels (a start into every segment, the end from the last)
   sanitize wgmma_states "test_states_on_the_wgmma_kernels and B2H3L300E64M64 and bhld" tests/test_wgmma.py
   # the one-pass backward (wgmma_grad_kv_kernel's kWithDq: two consumer warpgroups of different

@@ -51,8 +51,12 @@ def training_step_kernels(B, H, dtype, L=200, E=64, M=64):
 
 
 def one_pass_launches(names):
-    """Launches of the one-pass backward (wgmma_grad_kv_kernel's kWithDq instances: dk, dv and dq)."""
-    return sum(count for n, count in names.items() if "wgmma_grad_kv_kernel<" in n and ", true>(" in n)
+    """Launches of the one-pass backward (wgmma_grad_kv_kernel's kWithDq instances, its fourth
+    template argument: dk, dv and dq)."""
+    def with_dq(name):
+        arguments = name.split("wgmma_grad_kv_kernel<", 1)[1].split(">(", 1)[0].split(", ")
+        return arguments[3] == "true"
+    return sum(count for n, count in names.items() if "wgmma_grad_kv_kernel<" in n and with_dq(n))
 
 
 def wgmma_passes(names):
@@ -322,14 +326,21 @@ def test_one_pass_backward_where_the_forward_kept_its_ends(dtype, monkeypatch):
         out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
         torch.autograd.grad(out.float().sum(), (q, k, v))
     assert one_pass_launches(names) >= 1 and wgmma_passes(names) == {"0"}, names
-    assert any("backward_prepare" in n for n in names), names  # (dO . O: no dq pass makes them)
+    # (dO . O: its producer makes them in one segment alone, one_pass_makes_dots)
+    assert any("backward_prepare" in n for n in names), names
     monkeypatch.delenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD")
-    with cuda_kernels_launched() as names:  # by default float16 runs the two passes there
-        out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
-        torch.autograd.grad(out.float().sum(), (q, k, v))
-    one_pass = dtype == torch.bfloat16
-    assert (one_pass_launches(names) >= 1) == one_pass, names
-    assert wgmma_passes(names) == ({"0"} if one_pass else {"0", "1"}), names
+    for segments in ("3", "1"):  # by default float16 runs the two passes in segments, the one pass in one
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+        with cuda_kernels_launched() as names:
+            out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+            torch.autograd.grad(out.float().sum(), (q, k, v))
+        one_pass = dtype == torch.bfloat16 or segments == "1"
+        assert (one_pass_launches(names) >= 1) == one_pass, (segments, names)
+        assert wgmma_passes(names) == ({"0"} if one_pass else {"0", "1"}), (segments, names)
+        # dO . O by the one pass's producer in one segment, by the dq pass's producer in the two passes
+        # (one column tile), by backward_prepare_kernel for the one pass in segments
+        prepared = one_pass and segments == "3"
+        assert any("backward_prepare" in n for n in names) == prepared, (segments, names)
     monkeypatch.delenv("FAST_CAUSAL_ATTN_SEGMENTS")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
     q, k, v = make_inputs(2, 3, 2048, 64, 64, dtype=dtype, device="cuda")
@@ -425,26 +436,35 @@ def test_normalized_one_pass_backward(shape, layout, segments, dtype, monkeypatc
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("normalize", [False, True], ids=["plain", "normalized"])
 @pytest.mark.parametrize("segments", ["1", "3"])
+@pytest.mark.parametrize("scale", [0.7, 2.0**40], ids=["0.7", "2^40"])
 @pytest.mark.parametrize("shape", [(2, 2, 300, 64, 64), (1, 3, 200, 40, 24)], ids=shape_id)
-def test_one_pass_backward_with_states(shape, segments, normalize, dtype, monkeypatch):
+def test_one_pass_backward_with_states(shape, scale, segments, normalize, dtype, monkeypatch):
     """The one-pass backward from a given state with the final state out (the forward's segment
     ends, from which dq's state is taken down, hold the initial state; dk and dv start from the
     final state's gradient and end at the initial one's; the key sum's gradient passes through,
     or under normalize runs from the final key sum's to the initial one's in dk's extra row, and
-    dq's extra row starts from the key sum's kept end), scale 0.7, the forward in one segment or
-    three: every result within its bound (check_state_call); and it ran."""
+    dq's extra row starts from the key sum's kept end), the forward in one segment or three: every
+    result within its bound (check_state_call); and it ran. At scale 2^40, where a given final
+    state's gradient keeps it off after all (wgmma_takes: |scale| outside [2^-32, 2^32]), the two
+    passes run from the forward's kept ends, dq summing its own segments, with dO . O made for them
+    under normalize (the one pass was to make them): bfloat16 alone there (2^40 q leaves float16's
+    range, the plain reference's too)."""
+    if scale > 1 and dtype == torch.float16:
+        pytest.skip("2^40 q leaves float16's range (the plain reference's too)")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "1")
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = shape
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, dtype, normalize, "one pass")).encode()))
+    gen = torch.Generator().manual_seed(
+        zlib.crc32(repr((shape, scale, segments, dtype, normalize, "one pass")).encode()))
     q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", normalize=normalize, generator=gen)
     with cuda_kernels_launched() as names:
         check_state_call(q, k, v, list(make_state(B, H, E, M, dtype, normalize)), (B, H, E, M), gen,
-                         lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", 0.7, normalize=normalize),
-                         lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=0.7,
+                         lambda q, k, v, s: states_step(q, k, v, s or None, "bhld", scale, normalize=normalize),
+                         lambda q, k, v, s, **kw: reference_with_state(q, k, v, s or None, scale=scale,
                                                                        normalize=normalize, layout="bhld", **kw),
                          exact_in_float32={"final kv", "final k_sum"})
-    assert one_pass_launches(names) >= 1, names
+    fell_back = scale > 1
+    assert (one_pass_launches(names) >= 1) != fell_back and ("1" in wgmma_passes(names)) == fell_back, names
 
 
 @on_the_wgmma_kernels
@@ -673,7 +693,7 @@ def test_normalized_forward_in_one_launch(segments, state, dtype, monkeypatch):
     segments' starts (the state's and the key sums', without the given start) or, for the one
     pass, their ends, is the three launches' to float32 rounding, and the output is within the
     dtype's bound of float64 either way. 64 segments: blocks wait on blocks that started before
-    them only. (The launches are counted in test_normalized_forward_launches, not here: the
+    them only. (The launches are counted in test_normalized_launches, not here: the
     sanitizer subset runs this test, and the profiler sees no kernels under it.)"""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     B, H, L, E, M = 2, 3, 4100, 64, 48
@@ -696,13 +716,48 @@ def test_normalized_forward_in_one_launch(segments, state, dtype, monkeypatch):
 
 
 @on_the_wgmma_kernels
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("state", ["none", "given"])
+@pytest.mark.parametrize("segments", ["3", "64"])
+def test_normalized_grad_kv_in_one_launch(segments, state, dtype, monkeypatch):
+    """Under normalize dk with dv in one pass (the backward's two passes: FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0)
+    in time segments runs in one launch too (E and M up to 64): each block publishes its segment's
+    extra-row sums beside its D's and starts from those of the segments after it, the last first,
+    and the given start's (the final key sum's gradient), where FAST_CAUSAL_ATTN_ONE_LAUNCH=0 runs
+    the three launches (heads and tails). The output and every gradient within their bounds of
+    float64 either way: from no state (check_against_reference) or from a given one with the final
+    state out (check_normalized_state_call). 64 segments: blocks wait on blocks that started
+    before them only. (The launches are counted in test_normalized_launches: the sanitizer subset
+    runs this test.)"""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    shape, seed_key = (2, 3, 4100, 64, 48), (segments, state, dtype, "grad_kv one launch")
+    for one_launch in ("1", "0"):  # (the same inputs both ways: one seed)
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+        if state == "given":
+            check_normalized_state_call(shape, seed_key, dtype=dtype)
+            continue
+        gen = torch.Generator().manual_seed(zlib.crc32(repr(seed_key).encode()))
+        q, k, v = make_inputs(*shape, dtype=dtype, device="cuda", normalize=True, generator=gen)
+        check_against_reference(q, k, v, scale=0.7, normalize=True, layout="bhld")
+
+
+@on_the_wgmma_kernels
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("segments", ["3", "64"])
-def test_normalized_forward_launches(segments, dtype, monkeypatch):
+def test_normalized_launches(segments, dtype, monkeypatch):
     """The launches of test_normalized_forward_in_one_launch's calls: one wgmma_product_kernel and
     no scan where FAST_CAUSAL_ATTN_ONE_LAUNCH=1, the state-only launch, the pass and the scans
     where =0, keeping the starts or (the one pass) the ends; and by default one launch at 3
-    segments, three at 64 (above 16: one_launch_segments)."""
+    segments, three at 64 (above 16: one_launch_segments). Those of
+    test_normalized_grad_kv_in_one_launch's backward (the two passes): dk with dv in one launch of
+    wgmma_grad_kv_kernel and no scan in the whole step where =1 (dq reads the forward's kept
+    starts), two and the scans where =0; the normalized one pass (at 3 segments) in three launches
+    however asked. By default dk with dv takes three where their state-only blocks run in heads
+    that save an eighth of a segment or more (one_launch_segments: here heads of 11 of 3 segments'
+    22 chunks), one where they run in whole segments (FAST_CAUSAL_ATTN_TC_STATE_HEAD=0), and three
+    at 64 segments either way."""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
     q, k, v = make_inputs(2, 3, 4100, 64, 48, dtype=dtype, device="cuda", normalize=True)
     given = [torch.randn(2, 3, 64, 48, device="cuda"), torch.rand(2, 3, 64, device="cuda") * 3]
@@ -717,6 +772,26 @@ def test_normalized_forward_launches(segments, dtype, monkeypatch):
             names = forward_launches(q, k, v, *given, normalize=True)[0]
             assert launches_of(names, "wgmma_product_kernel") == (2 if three else 1), (one_pass, one_launch, names)
             assert any("scan_segments" in n for n in names) == three, (one_pass, one_launch, names)
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+
+    def step():
+        out = fast_causal_attn.causal_linear_attention(*leaves, normalize=True)
+        torch.autograd.grad(out.float().sum(), leaves)
+
+    for one_pass in ("0", "1") if segments == "3" else ("0",):  # (at 64 the one pass would span segments)
+        monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
+        for one_launch, head in (("1", None), ("0", None), (None, None), (None, "0")):
+            for name, value in (("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch), ("FAST_CAUSAL_ATTN_TC_STATE_HEAD", head)):
+                if value is None:
+                    monkeypatch.delenv(name, raising=False)
+                else:
+                    monkeypatch.setenv(name, value)
+            names = kernel_launches(step)[1]
+            by_default_three = segments == "64" or head is None
+            three = one_launch == "0" or one_pass == "1" or (one_launch is None and by_default_three)
+            assert (one_pass_launches(names) >= 1) == (one_pass == "1"), (one_pass, one_launch, head, names)
+            assert launches_of(names, "wgmma_grad_kv_kernel") == (2 if three else 1), (one_pass, one_launch, head, names)
+            assert any("scan_segments" in n for n in names) == three, (one_pass, one_launch, head, names)
 
 
 @on_the_wgmma_kernels
@@ -1297,7 +1372,7 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     kernel anywhere; dO . O made by dq's producer where dq runs at up to two atoms in one
     column tile, else by backward_prepare_kernel. Where E and M are up to 64 the bfloat16
     backward is the one pass (dq beside dk and dv on wgmma_grad_kv_kernel: no dq pass, dO . O by
-    backward_prepare_kernel; float16 the two passes: one_pass_backward).
+    backward_prepare_kernel in these three segments; float16 the two passes: one_pass_backward).
     FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 leaves four atoms to mma.sync (no one-warpgroup instance has
     the normalizer)."""
     B, H, L, E, M = shape
@@ -1323,7 +1398,8 @@ def test_normalized_forward_takes_the_wgmma_kernel(shape, dtype, monkeypatch):
     dq = set() if one_pass else {("1", atoms(M), 2 if atoms(M) == 4 or E > 64 else 1)}
     assert {i for i in wgmma_instances(names) if i[0] == "1"} == dq, names
     # dO . O made by dq's producer where dq runs at up to two atoms in one column tile (64 of E a
-    # group), else by backward_prepare_kernel before it
+    # group), else by backward_prepare_kernel before it (the one pass's producer makes them in one
+    # segment alone: test_one_pass_backward_where_the_forward_kept_its_ends)
     dq_makes_dots = not one_pass and atoms(M) <= 2 and E <= 128
     assert any("backward_prepare" in n for n in names) != dq_makes_dots, names
     # dk's Da is M, dv's E: one warpgroup, or four atoms on two

@@ -215,22 +215,28 @@ void launch_backward_cuda(const BackwardParams& params) {
   const bool one_pass =
       p.forward_segments >= 1 && keeps_one_pass_ends(p.B * p.H, p.forward_segments) && one_pass_backward_takes(p);
   at::Tensor dout_dot_out;
-  if (p.normalize && p.L > 0) {
-    const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
-    dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
-    p.dout_dot_out = dout_dot_out.data_ptr();
-    // made by the dq pass where it can (O read beside the dO it stages, 16 bytes at a time: O's
-    // rows whole vectors at 16-byte boundaries), else here, before it (the one pass has no dq pass)
-    p.dots_in_grad_q = !one_pass && grad_q_pass_makes_dots(p) && vector_rows(p, int64_t(c10::elementSize(p.dtype)));
+  // dO . O under normalize: made by the kernel that makes dq where it can (the one pass's producer,
+  // or the dq pass's, reading O beside the dO it stages, 16 bytes at a time: O's rows whole vectors
+  // at 16-byte boundaries), else here, before it
+  auto make_dots = [&](bool in_one_pass) {
+    if (!p.normalize || p.L == 0) return;
+    if (!dout_dot_out.defined()) {
+      const auto acc = p.dtype == at::kDouble ? at::kDouble : at::kFloat;
+      dout_dot_out = at::empty({p.B * p.H * p.L}, at::TensorOptions().dtype(acc).device(at::kCUDA));
+      p.dout_dot_out = dout_dot_out.data_ptr();
+    }
+    p.dots_in_grad_q = (in_one_pass ? one_pass_makes_dots(p.forward_segments) : grad_q_pass_makes_dots(p)) &&
+                       vector_rows(p, int64_t(c10::elementSize(p.dtype)));
     if (!p.dots_in_grad_q) {
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "fast_causal_attn backward_prepare",
                                       [&] { launch_backward_prepare<scalar_t>(p, stream); });
     }
-  }
+  };
+  make_dots(one_pass);
   // The one pass: dk, dv and dq in one launch (or three in many segments, as dk-with-dv's). Where
   // it cannot run after all (a given final state's gradient with |scale| outside wgmma_takes'
-  // range), dq and dk-with-dv run as below, dq summing its own segments: the ends are no starts
-  // (and the dots, made above, are there for both).
+  // range), dq and dk-with-dv run as below, dq summing its own segments: the ends are no starts,
+  // and the dots, where the one pass was to make them, made for the two passes.
   if (one_pass) {
     p.one_pass = true;
     if (run_grad_kv_pass(p, stream)) {
@@ -240,6 +246,7 @@ void launch_backward_cuda(const BackwardParams& params) {
     p.one_pass = false;
     p.forward_segments = 0;
     p.forward_segment_kv = p.forward_segment_k_sum = nullptr;
+    if (p.dots_in_grad_q) make_dots(false);
   }
   // dq, then dk and dv, on the caller's stream. The dk/dv passes on a side stream beside dq (the
   // issue's "concurrently where possible") measured slower or no faster at every shape (H200

@@ -29,9 +29,10 @@ enum class Pass { Forward, GradQ, GradK, GradV, GradKV };
 
 struct KernelParams : BackwardParams {
   // dO[t] . O[t] when normalize (the normalizer's gradient is -dout_dot_out[t] / den[t]): made by
-  // backward_prepare_kernel before the dq pass, or by the dq pass itself where dots_in_grad_q (the
-  // wgmma kernels in one column tile: their producers read O beside the dO they stage), read by
-  // the dk pass after it.
+  // backward_prepare_kernel before the dq pass, or by the kernel that makes dq where
+  // dots_in_grad_q (the wgmma dq pass in one column tile, or the one-pass backward in one segment:
+  // one_pass_makes_dots; their producers read O beside the dO they stage), read by the dk pass
+  // after it (the one pass keeps its own in shared memory: dout_dot_out unwritten).
   void* dout_dot_out = nullptr;  // [B, H, L] contiguous, accumulation dtype
   bool dots_in_grad_q = false;
   // The one-pass backward (one_pass_backward in dispatch.cuh): in the forward, keep each time
@@ -115,7 +116,9 @@ struct KernelParams : BackwardParams {
   // one flag a block; zeroed before the launch. nullptr: the state-only launch and the scan.
   unsigned* lookback = nullptr;
   float* seg_sums = nullptr;  // [B * H, segments, Da, Dc]: each segment's own sums (one launch)
-  float* seg_own_key_sums = nullptr;  // [B * H, segments, Da]: its key sums beside (the forward's, normalize)
+  // under normalize, each segment's own vector sums beside (one launch): the forward's key sums
+  // [B * H, segments, Da], or dk with dv's extra row [B * H, segments, Dc]
+  float* seg_own_vector_sums = nullptr;
   // A plan (plan_forward_segments): the launchers decide as for a run and return the forward's
   // segment count (ForwardSegments::count) instead of allocating or launching anything.
   bool dry_run = false;
@@ -652,21 +655,20 @@ void launch_segmented(Kernel kernel, const KernelParams& p, const SegmentWorkspa
   TORCH_CHECK(blocks <= int64_t(0x7fffffff), "fast_causal_attn: too many (batch, head, column) tiles: ", blocks);
   if (p.segments > 1 && !p.seg_from_forward && one_launch != nullptr) {
     allow_dynamic_smem(one_launch, smem);
-    // (the kernels that have it sum float32 states, and the forward's key sums under normalize: no
-    // extra row, no heads and tails)
-    const bool key_sums = P == Pass::Forward && p.normalize;
-    TORCH_CHECK(workspace.dtype == at::kFloat && (key_sums || workspace.key_sum.numel == 0) &&
+    // (the kernels that have it sum float32 states, under normalize a vector's beside: the
+    // forward's key sums, dk with dv's extra row; no scanned extra row kept, no heads and tails)
+    TORCH_CHECK(workspace.dtype == at::kFloat && (p.normalize || workspace.key_sum.numel == 0) &&
                     workspace.extra.numel == 0 && p.state_head == 0 && (P == Pass::Forward || P == Pass::GradKV),
-                "fast_causal_attn: internal: a one-launch segmented pass sums float32 states (and key sums) alone");
+                "fast_causal_attn: internal: a one-launch segmented pass sums float32 states (and a vector) alone");
     KernelParams one = p;
     const int64_t sums = p.num_seqs * p.H * p.segments * Da * Dc;
-    const int64_t own_key_sums = key_sums ? p.num_seqs * p.H * p.segments * Da : 0;
-    // the segments' own sums (and key sums), then the counter and one flag a block (zeroed)
+    const int64_t own_vector_sums = p.normalize ? p.num_seqs * p.H * p.segments * (P == Pass::Forward ? Da : Dc) : 0;
+    // the segments' own sums (and vector sums), then the counter and one flag a block (zeroed)
     const at::Tensor buffer =
-        at::empty({sums + own_key_sums + 1 + blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
+        at::empty({sums + own_vector_sums + 1 + blocks}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA));
     one.seg_sums = buffer.data_ptr<float>();
-    one.seg_own_key_sums = key_sums ? one.seg_sums + sums : nullptr;
-    one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums + own_key_sums);
+    one.seg_own_vector_sums = p.normalize ? one.seg_sums + sums : nullptr;
+    one.lookback = reinterpret_cast<unsigned*>(one.seg_sums + sums + own_vector_sums);
     C10_CUDA_CHECK(cudaMemsetAsync(one.lookback, 0, size_t(1 + blocks) * sizeof(unsigned), stream));
     one_launch<<<dim3(unsigned(blocks)), dim3(threads), smem, stream>>>(one, Da, Dc, col_tiles);
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -271,8 +271,8 @@ void launch_after_row_tile(Kernel kernel, const KernelParams& p, int64_t blocks,
 // Whether pass P's `segments` time segments (the count the launch will run) take one launch
 // (KernelParams::lookback) instead of three (the state-only launch, the scan, the pass): the
 // 16-bit forward and dk with dv in one pass (wgmma_product_kernel<Forward, T, 1, 1, true>,
-// wgmma_grad_kv_kernel<T, true>, instances of their own; under normalize the forward's alone,
-// <Forward, T, 1, 1, true, true>), E and M up to 64, 2 to 16 segments, 2 to 8 where `stream` is
+// wgmma_grad_kv_kernel<T, true>, instances of their own; under normalize <Forward, T, 1, 1, true,
+// true> and <T, true, true>, not the one pass), E and M up to 64, 2 to 16 segments, 2 to 8 where `stream` is
 // being captured into a CUDA graph. Under normalize as plain (H100, RESULTS.md, sixty-fifth
 // session, bf16 forward kernels, one launch against three): 4,16,8192,64 0.137 against 0.145 ms,
 // 2,4,8192,64 (16 segments) 0.038 against 0.037, do_bench fwd 0.046 against 0.047.
@@ -287,18 +287,27 @@ void launch_after_row_tile(Kernel kernel, const KernelParams& p, int64_t blocks,
 // twice as long (1,8,16384,64: 0.088 against 0.045): every block adds all its predecessors'
 // sums, reads that grow with the square of the count. At E = M = 128 (1,16,32768,128, 8
 // segments) one launch was 6% slower in the forward and 3% in dk and dv; at 256 even.
+// Not where the three launches would run their state-only blocks in heads and tails that save an
+// eighth of a segment's chunks or more (`heads_pay`: the normalized narrow dk-with-dv kernel's,
+// below): one launch's blocks sum their own whole segments, and the blocks of all but the last
+// segment wait for that before their pass. Measured (H100, RESULTS.md, sixty-sixth session;
+// normalized dk with dv's kernels, ms, three launches with their scans against one): bf16
+// 4,16,8192,64 (2 segments, heads of 32 of 64 chunks) 0.190 against 0.207; 2,4,8192,64 (16, no
+// heads) 0.051 against 0.049; 1,8,16384,64 (16, heads of 15 of 16) 0.081 against 0.071; float16
+// 0.194 / 0.213, 0.054 / 0.051, 0.083 / 0.076.
 // FAST_CAUSAL_ATTN_ONE_LAUNCH=0: never; =1: at any count (for measuring and the tests), still
 // only where an instance has it.
 template <Pass P, typename scalar_t>
-bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, cudaStream_t stream) {
+bool one_launch_segments(int64_t Da, int64_t Dc, int64_t segments, bool heads_pay, cudaStream_t stream) {
   if constexpr (!kWgmmaInput<scalar_t> || (P != Pass::Forward && P != Pass::GradKV)) {
-    (void)Da, (void)Dc, (void)segments, (void)stream;
+    (void)Da, (void)Dc, (void)segments, (void)heads_pay, (void)stream;
     return false;
   } else {
     if (segments < 2 || Da > 64 || Dc > 64) return false;
     const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_ONE_LAUNCH");
     if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
     if (switch_ != nullptr && std::strcmp(switch_, "1") == 0) return true;
+    if (heads_pay) return false;
     if (segments <= 8) return true;
     if (segments > 16) return false;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -328,6 +337,13 @@ template <Pass P, typename scalar_t>
 int64_t wgmma_column_tiles(int64_t Da, int64_t Dc, bool normalize) {
   const int64_t tile_columns = wgmma::C * wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize).cc_tiles();
   return P == Pass::GradKV ? 1 : (Dc + tile_columns - 1) / tile_columns;
+}
+// The 16-bit wgmma forward's time segments, as its launcher counts them (wgmma_segments), for the
+// backward's choices that the forward has to make alike (one_pass_backward)
+template <typename scalar_t>
+int64_t wgmma_forward_segments(const KernelParams& p) {
+  const int64_t blocks = p.num_seqs * p.H * wgmma_column_tiles<Pass::Forward, scalar_t>(p.E, p.M, p.normalize);
+  return wgmma_segments(p, blocks, wgmma_pass_layout<Pass::Forward, scalar_t>(p.E, p.M, p.normalize).smem_bytes());
 }
 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
@@ -368,9 +384,10 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const bool wide = P == Pass::GradKV && (Da > 64 || Dc > 64);
   // the one-pass backward: dq beside dk and dv (one_pass_backward)
   const bool one_pass = P == Pass::GradKV && p.one_pass;
-  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32, one_pass] {
+  const auto kernel = [atoms, groups, wide, row_parts, normalize, tf32 = p.tf32, one_pass, dots = p.dots_in_grad_q] {
     if constexpr (kFloat) {
       static_assert(P != Pass::GradKV, "float32's dk and dv: two passes");
+      (void)dots;
       // float16 heads and tails, or the heads alone where the user allowed TF32; the normalizer's
       // terms (KeySum, RowTerms) in instances of their own
       auto instance = [&](auto normalized) {
@@ -383,13 +400,14 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       return normalize ? instance(std::true_type{}) : instance(std::false_type{});
     } else if constexpr (P == Pass::GradKV) {
       (void)row_parts;
-      if (one_pass) {
-        return normalize ? wgmma_grad_kv_kernel<scalar_t, false, true, true> : wgmma_grad_kv_kernel<scalar_t, false, false, true>;
+      if (one_pass) {  // (under normalize its producer makes dO . O where one_pass_makes_dots says)
+        if (!normalize) return wgmma_grad_kv_kernel<scalar_t, false, false, true>;
+        return dots ? wgmma_grad_kv_kernel<scalar_t, false, true, true, true> : wgmma_grad_kv_kernel<scalar_t, false, true, true>;
       }
       if (normalize) return wide ? wgmma_grad_kv_wide_kernel<scalar_t, true> : wgmma_grad_kv_kernel<scalar_t, false, true>;
       return wide ? wgmma_grad_kv_wide_kernel<scalar_t> : wgmma_grad_kv_kernel<scalar_t>;
     } else {
-      (void)row_parts;
+      (void)row_parts, (void)dots;
       // the normalizer's instances as the plain ones, but four atoms always on two groups (wgmma_takes)
       auto instance = [&](auto normalized) {
         constexpr bool kNormalized = decltype(normalized)::value;
@@ -413,8 +431,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     }
   }();
   // the same kernel's one-launch instance (one_launch_segments says where), nullptr where it has none
-  // (under normalize the forward's alone, its key sums published beside the state's: dk with dv's
-  // would need the extra row's too)
+  // (under normalize a vector's sums published beside the state's: the forward's key sums, dk with
+  // dv's extra row; not the normalized one pass's, whose dq warpgroup has taken one launch's barrier)
   const auto one_launch_kernel = [atoms, groups, wide, normalize, one_pass]() -> decltype(kernel) {
     if constexpr (kFloat || (P != Pass::Forward && P != Pass::GradKV)) {
       (void)atoms, (void)groups, (void)wide, (void)normalize, (void)one_pass;
@@ -422,7 +440,8 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
     } else if constexpr (P == Pass::GradKV) {
       (void)atoms, (void)groups;
       if (one_pass) return normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true, false, true>;
-      return wide || normalize ? nullptr : wgmma_grad_kv_kernel<scalar_t, true>;
+      if (wide) return nullptr;
+      return normalize ? wgmma_grad_kv_kernel<scalar_t, true, true> : wgmma_grad_kv_kernel<scalar_t, true>;
     } else {
       (void)wide, (void)one_pass;
       if (atoms != 1 || groups != 1) return nullptr;
@@ -482,13 +501,12 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
       p.segment_key_sum_ends = kept_key_sum_ends.data_ptr<float>();
     }
   }
-  const bool one_launch = one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, stream);
   // The state-only launch in heads and tails where its blocks would leave multiprocessors idle
   // (choose_state_head; one block a multiprocessor):
   //  - float32's: 1,16,32768,128 sums its first segment on 64 blocks (16 pairs x 4 tiles) of 132
   //    in whole segments, on 128 in heads and tails (RESULTS.md, thirty-fifth session);
-  //  - the normalized narrow dk-with-dv kernel's (no one launch under normalize: its sums would
-  //    need the extra row): at bf16 4,16,8192,64 it summed its one segment on 64 blocks of 132, 69
+  //  - the normalized narrow dk-with-dv kernel's where it runs in three launches: at bf16
+  //    4,16,8192,64 it summed its one segment on 64 blocks of 132, 69
   //    MB in 66 us, 31% of the DRAM peak (ncu, H100, fifty-fifth session); in heads and tails the
   //    kernel's two launches took 0.2102 -> 0.1873 ms. Not the wide kernel's: at 1,16,32768,128
   //    (112 state-only blocks of 132, heads of 55 chunks) its launches took 0.5052 -> 0.5241
@@ -497,9 +515,15 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   // blocks a multiprocessor) and measured 2-11% slower with them (thirty-third session).
   // FAST_CAUSAL_ATTN_TC_STATE_HEAD=N forces heads of N chunks (0: whole segments) where they run,
   // for measuring.
-  if (kFloat || (P == Pass::GradKV && p.normalize && !wide)) {
-    p.state_head = state_head_steps(true, blocks, count, segment_length(p.L, segments, C) / C, multiprocessor_count(), C);
-  }
+  // Where heads save an eighth of a segment or more, three launches (one_launch_segments).
+  const int64_t segment_chunks = segment_length(p.L, segments, C) / C;
+  const int64_t head = kFloat || (P == Pass::GradKV && p.normalize && !wide)
+                           ? state_head_steps(true, blocks, count, segment_chunks, multiprocessor_count(), C)
+                           : 0;
+  const bool heads_pay = head > 0 && 8 * (head / C) <= 7 * segment_chunks;
+  const bool one_launch =
+      one_launch_kernel != nullptr && one_launch_segments<P, scalar_t>(Da, Dc, count, heads_pay, stream);
+  if (!one_launch) p.state_head = head;
   // float32's state-only blocks stage their chunks in a ring of their own, deeper than the pass's
   // (wgmma_tf32::Layout); FAST_CAUSAL_ATTN_TC_STATE_SLOTS=2 gives them the pass's ring, for measuring.
   if constexpr (kFloat) {

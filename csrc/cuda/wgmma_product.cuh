@@ -1112,11 +1112,28 @@ struct RowTerms {
 // The L2 line holding `at` fetched ahead (a hint: no fault, nothing waits for it)
 __device__ __forceinline__ void prefetch_l2(const void* at) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(at)); }
 
-// dO[t] . O[t] of the chunk's rows Stager::row0 + 16 i (the dq pass where it makes them,
-// KernelParams::dots_in_grad_q): this thread's pieces of the staged dO (A: kAtoms atoms at a_tile,
-// its own copies landed) times the same pieces of O, read from global memory (o: the chunk's first
-// row, o_l apart; prefetched to the L2 when the chunk was staged), then summed over the row's eight
-// lanes. Rows past n and atoms outside the operand's width (`inside`: Source's bits) give 0.
+// O's rows of the chunk of n rows from row t0 (o: row 0, o_l apart) to the L2 for row_dots, a
+// line once: an atom's 128 bytes of a row, the lines of its first and last pieces (`inside`:
+// Source's bits)
+template <int kAtoms, typename scalar_t>
+__device__ __forceinline__ void prefetch_rows(const Stager& stage, const scalar_t* o, int64_t t0, int64_t o_l,
+                                              uint32_t inside, int n) {
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const bool ends = stage.col == 0 || stage.col == 56;
+      if (ends && ((inside >> a) & 1u) && stage.row0 + 16 * i < n) {
+        prefetch_l2(o + (t0 + stage.row0 + 16 * i) * o_l + stage.col + 64 * a);
+      }
+    }
+}
+
+// dO[t] . O[t] of the chunk's rows Stager::row0 + 16 i (where the kernel that makes dq makes them,
+// KernelParams::dots_in_grad_q: the dq pass, or the one-pass backward in one segment): this
+// thread's pieces of the staged dO (A: kAtoms atoms at a_tile, its own copies landed) times the
+// same pieces of O, read from global memory (o: the chunk's first row, o_l apart; prefetched to
+// the L2 when the chunk was staged), then summed over the row's eight lanes. Rows past n and atoms outside the operand's width (`inside`: Source's bits) give 0.
 // backward_prepare_kernel read dO a second time for these (bf16 4,16,8192,64: 47.7 us of the
 // normalized backward, 136 MB; ncu, H100, RESULTS.md, fifty-fifth session).
 template <bool kHalf, int kAtoms, typename scalar_t>
@@ -1389,17 +1406,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         const int64_t t0 = chunk_begin(it);
         const float* dots = P == Pass::GradV ? ops.den + t0 : ops.dout_dot_out + t0;
         if (!state_only || kReverse) row_terms.stage(slot, {dots, ops.den + t0}, n, makes_dots ? 0 : -1);
-        if (makes_dots && !state_only) {  // O's rows of the chunk to the L2 for row_dots, a line once
-#pragma unroll
-          for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {  // (an atom's 128 bytes of a row: the lines of its first and last pieces)
-              const bool ends = stage.col == 0 || stage.col == 56;
-              if (ends && ((a_src.inside >> a) & 1u) && stage.row0 + 16 * i < n) {
-                prefetch_l2(o_rows + (t0 + stage.row0 + 16 * i) * o_l + stage.col + 64 * a);
-              }
-            }
-        }
+        if (makes_dots && !state_only) prefetch_rows<kAtoms>(stage, o_rows, t0, o_l, a_src.inside, n);
       }
     }
     StageRing<kDepth>::commit_copies();
@@ -1544,7 +1551,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       for (int a = 0; a < kStateAtoms; ++a) {
         store_end(state[a], p.seg_sums + (slot0 + work.segment) * Da * Dc, Da, Dc, row0 + 64 * a, m0);
       }
-      if constexpr (kNormalize) keys.store(p.seg_own_key_sums + (slot0 + work.segment) * Da + row0, Da - row0);
+      if constexpr (kNormalize) keys.store(p.seg_own_vector_sums + (slot0 + work.segment) * Da + row0, Da - row0);
       lookback::publish(flags + work.segment, consumers_sync);
     }
     lookback::wait_for(flags, work.segment, consumers_sync, kConsumers);
@@ -1574,7 +1581,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     keys.set([&](int column) {
       float value = 0.f;
       if (row0 + column < Da) {
-        for (int64_t s = 0; s < work.segment; ++s) value += __ldcg(p.seg_own_key_sums + (slot0 + s) * Da + row0 + column);
+        for (int64_t s = 0; s < work.segment; ++s) value += __ldcg(p.seg_own_vector_sums + (slot0 + s) * Da + row0 + column);
       }
       return value;
     });
@@ -1907,16 +1914,21 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 // so each kept score of U gets its row's a_t (as the dq pass's get theirs), y = -z(c + 1) is
 // taken down as T (y += k's column sums a chunk, KeySums), a_t y is added to row t, and row t is
 // stored times -scale / den[t]: dq = -scale / den (dO T + U(dO v^T + a) k + a y). The producer stages
-// each chunk's dO . O (backward_prepare_kernel's: no dq pass makes them) and den beside it for
-// both consumers, as the two passes' kernel does.
-template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false, bool kWithDq = false>  // (kOneLaunch: as wgmma_product_kernel's)
+// each chunk's dO . O (backward_prepare_kernel's, or in one segment its own: kProducerDots) and den
+// beside it for both consumers, as the two passes' kernel does.
+// kProducerDots (the normalized one pass): its producer makes dO . O (KernelParams::dots_in_grad_q),
+// an instance of its own for the registers that takes (one_pass_makes_dots says where).
+template <typename scalar_t, bool kOneLaunch = false, bool kNormalize = false, bool kWithDq = false,
+          bool kProducerDots = false>  // (kOneLaunch: as wgmma_product_kernel's)
 __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     wgmma_grad_kv_kernel(const KernelParams p, int64_t Da, int64_t Dc, int64_t col_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace wgmma;
   constexpr bool kHalf = std::is_same_v<scalar_t, at::Half>;
   static_assert(kHalf || std::is_same_v<scalar_t, at::BFloat16>, "bfloat16 or float16");
-  static_assert(!(kOneLaunch && kNormalize), "normalize: three launches (one launch's sums carry no extra row)");
+  // (the normalized one pass's dq warpgroup has taken kSummed, one launch's barrier: three launches)
+  static_assert(!(kOneLaunch && kNormalize && kWithDq), "the normalized one pass: three launches");
+  static_assert(!kProducerDots || (kNormalize && kWithDq), "dO . O: the normalized one pass's");
   using Rows = typename Operands<Pass::GradKV, scalar_t, float>::Rows;
 
   // Shared memory: the stage slots, the state copies (D's; kWithDq: T's after it), each consumer
@@ -1953,6 +1965,23 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
          v_src = stage.source(v_rows, last, M), dout_src = stage.source(dout_rows, last, M);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
   auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
+  // kProducerDots (KernelParams::dots_in_grad_q, where O's rows are whole 16-byte vectors): each
+  // chunk's dO . O made by the producer from its own landed pieces of dO and O's rows (row_dots,
+  // as the dq pass makes them), into the slot's row terms alone (no later pass reads them), where
+  // backward_prepare_kernel read dO and O once more and wrote them out
+  constexpr bool kMakesDots = kProducerDots;
+  const bool makes_dots = kMakesDots && p.dots_in_grad_q;
+  const scalar_t* const o_rows =
+      makes_dots ? static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(work.seq.b, work.seq.h, work.seq.begin) : nullptr;
+  const int64_t o_l = p.o.stride_l;
+  // (kNormalize) chunk it's row terms, dO . O (unless made here) and den, into its slot; O's rows
+  // to the L2 where the producer makes the dots
+  auto stage_terms = [&](int slot, int64_t t0, int n) {
+    if constexpr (kNormalize) {
+      terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n, makes_dots ? 0 : -1);
+      if (makes_dots) prefetch_rows<1>(stage, o_rows, t0, o_l, dout_src.inside, n);
+    }
+  };
   auto stage_chunk = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
@@ -1960,7 +1989,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       stage.operator()<true>(tile_of(slot, 1), k_src, ops.k, n);
       stage.operator()<true>(tile_of(slot, 2), v_src, ops.v, n);
       stage.operator()<true>(tile_of(slot, 3), dout_src, ops.dout, n);
-      if constexpr (kNormalize) terms.stage(slot, {ops.dout_dot_out + chunk_begin(it), ops.den + chunk_begin(it)}, n);
+      stage_terms(slot, chunk_begin(it), n);
     }
     StageRing<>::commit_copies();
   };
@@ -1986,8 +2015,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   // the consumers' rings (kWithDq: two consumer warpgroups of different code on each)
   using PassRing = ProducedRing<kStages, kStages, kWithDq>;
   using SumRing = ProducedRing<kSumDepth, kSumDepth, kWithDq>;
-  // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384)
-  constexpr int kProducerRegisters = 56, kConsumerRegisters = 224;
+  // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384);
+  // kMakesDots: row_dots' pieces of O and dO, 16 registers each, beside the copies (ptxas -v: at
+  // 56 the producer spilled 44-52 bytes, at 72 8-40, at 80 8, at 88 none)
+  constexpr int kProducerRegisters = kMakesDots ? 88 : 56, kConsumerRegisters = kMakesDots ? 208 : 224;
   static_assert(!kWithDq || 2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / (3 * kThreads) / 8 * 8),
                 "the block's registers at launch");
   if (warpgroup() == 1) {  // the producer (broadcast, as above)
@@ -2002,6 +2033,19 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C));
       }
     };
+    // (makes_dots) chunk it's dO . O (its dO staged at `tile`) into the slot's row terms, before
+    // the chunk is announced
+    auto dots_of = [&](uint32_t tile, int slot, int64_t t0) {
+      if constexpr (kMakesDots) {
+        if (!makes_dots) return;
+        const int n = work.chunk_len(t0, C);
+        float dots[4];
+        row_dots<kHalf, 1>(dots, stage, tile, o_rows + t0 * o_l, o_l, dout_src.inside, n);
+        if (stage.col != 0) return;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) terms.put(slot, 0, stage.row0 + 16 * i, dots[i]);  // (0 past n)
+      }
+    };
     auto produce_sums = [&](Source& q_from, Source& dout_from, auto&& chunk_start, auto step_back) {
       SumRing(kFull, kBlockThreads)
           .produce(
@@ -2011,13 +2055,14 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
                   const int n = work.chunk_len(chunk_start(it), C);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 0), q_from, ops.q, n);
                   stage.operator()<decltype(step_back)::value>(sum_tile(slot, 1), dout_from, ops.dout, n);
-                  if constexpr (kNormalize) {
-                    terms.stage(slot, {ops.dout_dot_out + chunk_start(it), ops.den + chunk_start(it)}, n);
-                  }
+                  stage_terms(slot, chunk_start(it), n);
                 }
                 StageRing<>::commit_copies();
               },
-              [&](int64_t it, int slot) { divide_q(sum_tile(slot, 0), slot, chunk_start(it)); });
+              [&](int64_t it, int slot) {
+                divide_q(sum_tile(slot, 0), slot, chunk_start(it));
+                dots_of(sum_tile(slot, 1), slot, chunk_start(it));
+              });
     };
     if (sums_first) {  // first to last
       Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
@@ -2029,6 +2074,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     } else {
       PassRing(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
         divide_q(tile_of(slot, 0), slot, chunk_begin(it));
+        dots_of(tile_of(slot, 3), slot, chunk_begin(it));
       });
     }
     return;
@@ -2198,21 +2244,35 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
       // first to last, so that the pass below (last to first) starts on the chunks read last.
 #pragma unroll
       for (int i = 0; i < 32; ++i) d[i] = 0.f;
+      if constexpr (kNormalize) extra.set([](int) { return 0.f; });  // (e: the segment's own extra row too)
       consume_sums();
       named_arrive<kWithDq>(kSummed, kBlockThreads);  // (the pass's chunks staged while the flags are awaited)
       store_end(d, p.seg_sums + (slot0 + work.segment) * M * E, M, E);
+      if constexpr (kNormalize) extra.store(p.seg_own_vector_sums + (slot0 + work.segment) * E, E);
       lookback::publish(flags + work.segment, consumers_sync);
     }
     // from the sums of the segments after it, the last first (the reverse scan's order)
     lookback::wait_for(flags + work.segment + 1, p.segments - 1 - work.segment, consumers_sync, kThreads);
     add_segments_before(d, p.seg_sums + (slot0 + p.segments - 1) * M * E, p.segments - 1 - work.segment, -1, M, E);
     add_given_start(d, p, work.pair, M, E);
+    if constexpr (kNormalize) {  // e likewise: the extra row's sums of the segments after it, then the given start's
+      extra.set([&](int column) {
+        float value = 0.f;
+        if (column < E) {
+          for (int64_t s = p.segments - 1; s > work.segment; --s) {
+            value += __ldcg(p.seg_own_vector_sums + (slot0 + s) * E + column);
+          }
+          if (p.start_vector != nullptr) value += static_cast<const float*>(p.start_vector)[work.pair * E + column];
+        }
+        return value;
+      });
+    }
   } else {
     load_start(d, p, work.pair, work.segment, M, E, state_only);
-  }
-  if constexpr (kNormalize) {  // e from the segment's start (zeros in state-only blocks)
-    const SegmentStart<float> start(p, work.pair, work.segment, M, E);
-    extra.set([&](int column) { return !state_only && column < E ? start.extra(column) : 0.f; });
+    if constexpr (kNormalize) {  // e from the segment's start (zeros in state-only blocks)
+      const SegmentStart<float> start(p, work.pair, work.segment, M, E);
+      extra.set([&](int column) { return !state_only && column < E ? start.extra(column) : 0.f; });
+    }
   }
   // D to where the segment ends (SegmentEnd; state-only blocks: their own sums; the initial state's
   // gradient E x M, transposed), at both of its stores; e beside it (the owners' own writes)
