@@ -306,9 +306,10 @@ bool run_grad_kv(const KernelParams& p, cudaStream_t stream) {
 // 2,4,8192,64 0.062 -> 0.058; float16 0.149 -> 0.142, 0.310 -> 0.335, 0.064 -> 0.065 (its one
 // pass 12% slower than bfloat16's at 4,16,8192,64, where the plain one passes differ by 2%: not
 // yet profiled). Its producer makes dO . O in one segment (one_pass_makes_dots), and there
-// float16's one pass is faster than its two passes too (H100, RESULTS.md, sixty-sixth session, GPU
-// ms fwd+bwd at 8,16,2048,64: 0.187 against 0.211), so float16 takes it under normalize where the
-// forward runs in one segment (wgmma_forward_segments), and in segments runs the two passes.
+// float16's one pass is faster than its two passes too (H100, RESULTS.md, sixty-sixth session,
+// call 2, GPU ms fwd+bwd at 8,16,2048,64: 0.178 against 0.209), so float16 takes it under
+// normalize where the forward runs in one segment (wgmma_forward_segments), and in segments runs
+// the two passes.
 // FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD=0 turns it off; =1 takes it wherever it can run, float16
 // under normalize in segments too.
 // A function of the shapes, the dtype, the device and the environment (no state: wgmma_takes on
@@ -337,10 +338,10 @@ bool one_pass_backward(const KernelParams& p) {
 // Whether the normalized one pass's producer makes dO . O (wgmma_grad_kv_kernel's kProducerDots:
 // its producer at 88 registers, the consumers at 208, where the other instance has 56 and 224),
 // backward_prepare_kernel otherwise: where the one pass runs in one segment (the forward's
-// `forward_segments`). Measured (H100, RESULTS.md, sixty-fifth and sixty-sixth sessions; the one
-// pass's kernel with its dots against it without and backward_prepare_kernel, ms): bf16
-// 8,16,2048,64 (one segment) 0.115 against 0.124, float16 0.118 against 0.138; in segments
-// slower: bf16 4,16,8192,64 0.323 against 0.302, 1,8,16384,64 0.102 against 0.093 (the
+// `forward_segments`). Measured (H100, RESULTS.md; the one pass's kernel with its dots against it
+// without and backward_prepare_kernel, ms): in one segment, bf16 8,16,2048,64 0.114 against 0.126
+// (sixty-sixth session, call 2), float16 0.118 against 0.138 (sixty-fifth); in segments slower
+// (sixty-fifth): bf16 4,16,8192,64 0.323 against 0.302, 1,8,16384,64 0.102 against 0.093 (the
 // state-only blocks read O for their own chunks too: at four segments O read 1.75 times).
 inline bool one_pass_makes_dots(int64_t forward_segments) { return forward_segments == 1; }
 
