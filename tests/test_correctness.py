@@ -54,6 +54,11 @@ DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 ERROR_FLOOR = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 
 
+def error_bound(plain_error, dtype):
+    """The tolerance above: twice plain PyTorch's error in dtype (plain_error), never below the floor."""
+    return max(2 * plain_error, ERROR_FLOOR[dtype])
+
+
 def shape_id(shape):
     return "B{}H{}L{}E{}M{}".format(*shape)
 
@@ -79,7 +84,7 @@ def check_against_reference(q, k, v, *, scale, normalize, layout, eps=1e-6, tole
         tolerances = [tolerance] * 4
     else:
         plain = reference_with_grads(q, k, v, grad_out, dtype=dtype, **kwargs)
-        tolerances = [max(2 * relative_error(p, r, m), ERROR_FLOOR[dtype]) for p, r, m in zip(plain, exact, magnitudes)]
+        tolerances = [error_bound(relative_error(p, r, m), dtype) for p, r, m in zip(plain, exact, magnitudes)]
     for name, err, tol in zip(("out", "grad_q", "grad_k", "grad_v"), errors, tolerances):
         assert err <= tol, f"{name}: relative error {err:.3g} > tolerance {tol:.3g}"
 
