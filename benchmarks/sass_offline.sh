@@ -10,9 +10,10 @@
 #   bash benchmarks/sass_offline.sh tf32 Forward [tf32]
 #                       # wgmma_tf32_product_kernel<pass, 3xTF32> (float32's; with tf32: the
 #                       # heads alone, TF32)
-#   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide]
+#   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide|one_pass|one_pass_normalize]
 #                       # wgmma_grad_kv_kernel (E, M up to 64) or, with wide, the wide kernel
-#                       # (up to 128): dk with dv in one pass
+#                       # (up to 128): dk with dv in one pass; one_pass: the one-pass backward
+#                       # (dq beside), plain or normalized (the loop with the most HGMMA: dk-dv's)
 #
 # Needs nvcc and torch's headers (the build's); nvdisasm comes from PyPI's nvidia-cuda-nvdisasm
 # wheel (no CUDA toolkit here has it), unpacked once into /tmp/nvdisasm.
@@ -40,11 +41,13 @@ if [[ $family == tf32 ]]; then
   instance="template __global__ void wgmma_tf32_product_kernel<Pass::$pass, $split>(const KernelParams, int64_t, int64_t, int64_t);"
 elif [[ $family == grad_kv ]]; then
   include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" source=wgmma_product
-  if [[ $DA == wide ]]; then
-    kernel=wgmma_grad_kv_wide_kernel instance="template __global__ void wgmma_grad_kv_wide_kernel<$T>(const KernelParams, int64_t, int64_t, int64_t);"
-  else
-    kernel=wgmma_grad_kv_kernel instance="template __global__ void wgmma_grad_kv_kernel<$T, false>(const KernelParams, int64_t, int64_t, int64_t);"
-  fi
+  case $DA in
+    wide) kernel=wgmma_grad_kv_wide_kernel args="$T" ;;
+    one_pass) kernel=wgmma_grad_kv_kernel args="$T, false, false, true" ;;
+    one_pass_normalize) kernel=wgmma_grad_kv_kernel args="$T, false, true, true" ;;
+    *) kernel=wgmma_grad_kv_kernel args="$T, false" ;;
+  esac
+  instance="template __global__ void $kernel<$args>(const KernelParams, int64_t, int64_t, int64_t);"
 elif [[ $family == wgmma ]]; then
   include=wgmma_launch.cuh arch="-arch=sm_90a -DFAST_CAUSAL_ATTN_SM90A" kernel=wgmma_product_kernel
   instance="template __global__ void wgmma_product_kernel<Pass::$pass, $T, $DA, $NB, false>(const KernelParams, int64_t, int64_t, int64_t);"
