@@ -46,16 +46,18 @@ def parse(path, kernel="tensorcore_product_kernel"):
     return instructions, labels
 
 
-def chunk_loop(instructions, labels):
-    best = None
+def chunk_loop(instructions, labels, rank=0):
+    """The loop (a backward branch's range) with the most HMMA or HGMMA, the longest of equals;
+    rank N: the N-th after it (a kernel with a loop for each warpgroup: the one-pass backward's dq)."""
+    loops = set()
     for address, op, text_, _ in instructions:
         target = re.search(r"(\.L_x_\d+)", text_) if op.startswith("BRA") else None
         if target and labels.get(target.group(1), address) < address:
             start = labels[target.group(1)]
             hmma = sum(1 for x in instructions if start <= x[0] <= address and x[1] in ("HMMA", "HGMMA"))
-            if best is None or (hmma, address - start) > (best[2], best[1] - best[0]):
-                best = (start, address, hmma)
-    return [x for x in instructions if best[0] <= x[0] <= best[1]], best[2]
+            loops.add((hmma, address - start, start, address))
+    hmma, _, start, end = sorted(loops, reverse=True)[rank]
+    return [x for x in instructions if start <= x[0] <= end], hmma
 
 
 def main():
@@ -63,10 +65,11 @@ def main():
     parser.add_argument("sass")
     parser.add_argument("source")
     parser.add_argument("--kernel", default="tensorcore_product_kernel")
+    parser.add_argument("--rank", type=int, default=0, help="the loop with the N-th most HMMA (0: the most)")
     args = parser.parse_args()
     path, source = args.sass, args.source
     instructions, labels = parse(path, args.kernel)
-    loop, hmma = chunk_loop(instructions, labels)
+    loop, hmma = chunk_loop(instructions, labels, args.rank)
     print(f"kernel {len(instructions)} instructions; chunk loop {len(loop)} (HMMA or HGMMA {hmma})")
     print("  by opcode:", dict(collections.Counter(x[1] for x in loop).most_common(16)))
     lines = open(source).read().split("\n")
