@@ -622,6 +622,14 @@ def forward_launches(q, k, v, kv0=None, k_sum0=None, normalize=False):
     return counts, results
 
 
+def set_switch(monkeypatch, name, value):
+    """An environment switch set to value, or cleared (the default) where value is None."""
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+
+
 def max_relative_difference(a, b):
     """The largest |a - b| over the largest |b|: two ways of summing the same segments agree to
     float32 rounding where this is below 1e-5."""
@@ -763,10 +771,7 @@ def test_normalized_launches(segments, dtype, monkeypatch):
     for one_pass in ("0", "1"):
         monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
         for one_launch in ("1", "0", None):
-            if one_launch is None:
-                monkeypatch.delenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", raising=False)
-            else:
-                monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+            set_switch(monkeypatch, "FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
             three = one_launch == "0" or (one_launch is None and segments == "64")
             names = forward_launches(q, k, v, *given, normalize=True)[0]
             assert launches_of(names, "wgmma_product_kernel") == (2 if three else 1), (one_pass, one_launch, names)
@@ -780,11 +785,8 @@ def test_normalized_launches(segments, dtype, monkeypatch):
     for one_pass in ("0", "1") if segments == "3" else ("0",):  # (at 64 the one pass would span segments)
         monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", one_pass)
         for one_launch, head in (("1", None), ("0", None), (None, None), (None, "0")):
-            for name, value in (("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch), ("FAST_CAUSAL_ATTN_TC_STATE_HEAD", head)):
-                if value is None:
-                    monkeypatch.delenv(name, raising=False)
-                else:
-                    monkeypatch.setenv(name, value)
+            set_switch(monkeypatch, "FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+            set_switch(monkeypatch, "FAST_CAUSAL_ATTN_TC_STATE_HEAD", head)
             names = kernel_launches(step)[1]
             by_default_three = segments == "64" or head is None
             three = one_launch == "0" or one_pass == "1" or (one_launch is None and by_default_three)

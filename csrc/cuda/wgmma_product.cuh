@@ -676,6 +676,15 @@ __device__ __forceinline__ void add_segments_before(float (&d)[32], const float*
     for (int i = 0; i < 32; ++i) d[i] += next[i];
   }
 }
+// One entry of a vector's start in one launch (KernelParams::seg_own_vector_sums: the forward's
+// key sums, dk with dv's extra row): its own sums in the `count` segments before the block's in
+// pass order, the first at `sums`, the next `step` floats on (negative in reverse), added in that
+// order, as add_segments_before adds the states'.
+__device__ __forceinline__ float add_vector_sums_before(const float* sums, int64_t count, int64_t step) {
+  float value = 0.f;
+  for (int64_t s = 0; s < count; ++s, sums += step) value += __ldcg(sums);
+  return value;
+}
 // The pass's given start (KernelParams::start_state: SegmentStart's second term, added after the
 // segments' sums as there) into an accumulator, layout as load_start's: one launch's segments,
 // which sum the segments before them themselves (add_segments_before).
@@ -1133,7 +1142,8 @@ __device__ __forceinline__ void prefetch_rows(const Stager& stage, const scalar_
 // KernelParams::dots_in_grad_q: the dq pass, or the one-pass backward in one segment): this
 // thread's pieces of the staged dO (A: kAtoms atoms at a_tile, its own copies landed) times the
 // same pieces of O, read from global memory (o: the chunk's first row, o_l apart; prefetched to
-// the L2 when the chunk was staged), then summed over the row's eight lanes. Rows past n and atoms outside the operand's width (`inside`: Source's bits) give 0.
+// the L2 when the chunk was staged), then summed over the row's eight lanes. Rows past n and
+// atoms outside the operand's width (`inside`: Source's bits) give 0.
 // backward_prepare_kernel read dO a second time for these (bf16 4,16,8192,64: 47.7 us of the
 // normalized backward, 136 MB; ncu, H100, RESULTS.md, fifty-fifth session).
 template <bool kHalf, int kAtoms, typename scalar_t>
@@ -1579,11 +1589,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     // start's, which dq adds itself)
     const int64_t slot0 = work.pair * p.segments;
     keys.set([&](int column) {
-      float value = 0.f;
-      if (row0 + column < Da) {
-        for (int64_t s = 0; s < work.segment; ++s) value += __ldcg(p.seg_own_vector_sums + (slot0 + s) * Da + row0 + column);
-      }
-      return value;
+      return row0 + column < Da
+                 ? add_vector_sums_before(p.seg_own_vector_sums + slot0 * Da + row0 + column, work.segment, Da)
+                 : 0.f;
     });
     if (p.seg_key_sum != nullptr) {
       keys.store(static_cast<float*>(p.seg_key_sum) + (slot0 + work.segment) * Da + row0, Da - row0);
@@ -1965,21 +1973,20 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
          v_src = stage.source(v_rows, last, M), dout_src = stage.source(dout_rows, last, M);
   auto tile_of = [&](int slot, int which) { return base + uint32_t(slot * 4 + which) * kTile; };
   auto chunk_begin = [&](int64_t it) { return work.seg_begin + (chunks - 1 - it) * C; };
-  // kProducerDots (KernelParams::dots_in_grad_q, where O's rows are whole 16-byte vectors): each
-  // chunk's dO . O made by the producer from its own landed pieces of dO and O's rows (row_dots,
-  // as the dq pass makes them), into the slot's row terms alone (no later pass reads them), where
-  // backward_prepare_kernel read dO and O once more and wrote them out
-  constexpr bool kMakesDots = kProducerDots;
-  const bool makes_dots = kMakesDots && p.dots_in_grad_q;
+  // kProducerDots (launched where KernelParams::dots_in_grad_q: O's rows whole 16-byte vectors):
+  // each chunk's dO . O made by the producer from its own landed pieces of dO and O's rows
+  // (row_dots, as the dq pass makes them), into the slot's row terms alone (no later pass reads
+  // them), where backward_prepare_kernel read dO and O once more and wrote them out
   const scalar_t* const o_rows =
-      makes_dots ? static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(work.seq.b, work.seq.h, work.seq.begin) : nullptr;
+      kProducerDots ? static_cast<const scalar_t*>(p.o.ptr) + p.o.offset(work.seq.b, work.seq.h, work.seq.begin)
+                    : nullptr;
   const int64_t o_l = p.o.stride_l;
   // (kNormalize) chunk it's row terms, dO . O (unless made here) and den, into its slot; O's rows
   // to the L2 where the producer makes the dots
   auto stage_terms = [&](int slot, int64_t t0, int n) {
     if constexpr (kNormalize) {
-      terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n, makes_dots ? 0 : -1);
-      if (makes_dots) prefetch_rows<1>(stage, o_rows, t0, o_l, dout_src.inside, n);
+      terms.stage(slot, {ops.dout_dot_out + t0, ops.den + t0}, n, kProducerDots ? 0 : -1);
+      if constexpr (kProducerDots) prefetch_rows<1>(stage, o_rows, t0, o_l, dout_src.inside, n);
     }
   };
   auto stage_chunk = [&](int64_t it, int slot) {  // it = 0, 1, 2, ... in order: the sources step back a chunk each
@@ -2016,9 +2023,9 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   using PassRing = ProducedRing<kStages, kStages, kWithDq>;
   using SumRing = ProducedRing<kSumDepth, kSumDepth, kWithDq>;
   // kWithDq: the producer's registers to the consumers (launched at 168 a thread: 65536 / 384);
-  // kMakesDots: row_dots' pieces of O and dO, 16 registers each, beside the copies (ptxas -v: at
-  // 56 the producer spilled 44-52 bytes, at 72 8-40, at 80 8, at 88 none)
-  constexpr int kProducerRegisters = kMakesDots ? 88 : 56, kConsumerRegisters = kMakesDots ? 208 : 224;
+  // kProducerDots: row_dots' pieces of O and dO, 16 registers each, beside the copies (ptxas -v:
+  // at 56 the producer spilled 44-52 bytes, at 72 8-40, at 80 8, at 88 none)
+  constexpr int kProducerRegisters = kProducerDots ? 88 : 56, kConsumerRegisters = kProducerDots ? 208 : 224;
   static_assert(!kWithDq || 2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / (3 * kThreads) / 8 * 8),
                 "the block's registers at launch");
   if (warpgroup() == 1) {  // the producer (broadcast, as above)
@@ -2033,11 +2040,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C));
       }
     };
-    // (makes_dots) chunk it's dO . O (its dO staged at `tile`) into the slot's row terms, before
+    // (kProducerDots) chunk it's dO . O (its dO staged at `tile`) into the slot's row terms, before
     // the chunk is announced
     auto dots_of = [&](uint32_t tile, int slot, int64_t t0) {
-      if constexpr (kMakesDots) {
-        if (!makes_dots) return;
+      if constexpr (kProducerDots) {
         const int n = work.chunk_len(t0, C);
         float dots[4];
         row_dots<kHalf, 1>(dots, stage, tile, o_rows + t0 * o_l, o_l, dout_src.inside, n);
@@ -2257,13 +2263,10 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     add_given_start(d, p, work.pair, M, E);
     if constexpr (kNormalize) {  // e likewise: the extra row's sums of the segments after it, then the given start's
       extra.set([&](int column) {
-        float value = 0.f;
-        if (column < E) {
-          for (int64_t s = p.segments - 1; s > work.segment; --s) {
-            value += __ldcg(p.seg_own_vector_sums + (slot0 + s) * E + column);
-          }
-          if (p.start_vector != nullptr) value += static_cast<const float*>(p.start_vector)[work.pair * E + column];
-        }
+        if (column >= E) return 0.f;
+        float value = add_vector_sums_before(p.seg_own_vector_sums + (slot0 + p.segments - 1) * E + column,
+                                             p.segments - 1 - work.segment, -E);
+        if (p.start_vector != nullptr) value += static_cast<const float*>(p.start_vector)[work.pair * E + column];
         return value;
       });
     }
