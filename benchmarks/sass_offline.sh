@@ -10,10 +10,11 @@
 #   bash benchmarks/sass_offline.sh tf32 Forward [tf32]
 #                       # wgmma_tf32_product_kernel<pass, 3xTF32> (float32's; with tf32: the
 #                       # heads alone, TF32)
-#   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide|one_pass|one_pass_normalize]
+#   bash benchmarks/sass_offline.sh grad_kv bfloat16 [wide|one_pass|one_pass_normalize|one_pass_dots]
 #                       # wgmma_grad_kv_kernel (E, M up to 64) or, with wide, the wide kernel
 #                       # (up to 128): dk with dv in one pass; one_pass: the one-pass backward
-#                       # (dq beside), plain or normalized (the loop with the most HGMMA: dk-dv's)
+#                       # (dq beside), plain or normalized (the loop with the most HGMMA: dk-dv's);
+#                       # one_pass_dots: the normalized one whose producer makes dO . O
 #
 # Needs nvcc and torch's headers (the build's); nvdisasm comes from PyPI's nvidia-cuda-nvdisasm
 # wheel (no CUDA toolkit here has it), unpacked once into /tmp/nvdisasm.
@@ -45,6 +46,7 @@ elif [[ $family == grad_kv ]]; then
     wide) kernel=wgmma_grad_kv_wide_kernel args="$T" ;;
     one_pass) kernel=wgmma_grad_kv_kernel args="$T, false, false, true" ;;
     one_pass_normalize) kernel=wgmma_grad_kv_kernel args="$T, false, true, true" ;;
+    one_pass_dots) kernel=wgmma_grad_kv_kernel args="$T, false, true, true, true" ;;
     *) kernel=wgmma_grad_kv_kernel args="$T, false" ;;
   esac
   instance="template __global__ void $kernel<$args>(const KernelParams, int64_t, int64_t, int64_t);"

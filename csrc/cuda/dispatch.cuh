@@ -343,6 +343,9 @@ bool one_pass_backward(const KernelParams& p) {
 // (sixty-sixth session, call 2), float16 0.118 against 0.138 (sixty-fifth); in segments slower
 // (sixty-fifth): bf16 4,16,8192,64 0.323 against 0.302, 1,8,16384,64 0.102 against 0.093 (the
 // state-only blocks read O for their own chunks too: at four segments O read 1.75 times).
+// bfloat16 reading O a chunk ahead did not change that (sixty-seventh session, the whole
+// normalized fwd+bwd's kernels with the dots in segments against without): 4,16,8192,64 0.460
+// against 0.461, 1,8,16384,64 0.179 against 0.174.
 inline bool one_pass_makes_dots(int64_t forward_segments) { return forward_segments == 1; }
 
 template <Pass P>

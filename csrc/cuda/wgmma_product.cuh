@@ -559,8 +559,6 @@ struct StateCopy {
   // layout, so one stmatrix.x4 stores what four st.shared.b32 did (32 a part where there were 128
   // at four atoms).
   __device__ void publish(const State& state) {
-    const int warp = group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
-    float inverse = 1.f;
     if constexpr (kHalf) {
       float largest = 0.f;
 #pragma unroll
@@ -568,8 +566,20 @@ struct StateCopy {
       int shift = 0;
       if (largest > 16384.f && largest <= FLT_MAX) frexpf(largest / 16384.f, &shift);  // largest 2^-shift <= 2^14
       scale = ldexpf(1.f, shift);
-      inverse = 1.f / scale;  // a power of two: exact
+      // (at scale 1, the usual case, the copy without its multiplies: 32 a part and chunk)
+      if (shift == 0) {
+        store_parts<false>(state, 1.f);
+      } else {
+        store_parts<true>(state, 1.f / scale);  // a power of two: exact
+      }
+    } else {
+      store_parts<false>(state, 1.f);
     }
+  }
+  // publish's stores, the state times `inverse` where kScaled
+  template <bool kScaled>
+  __device__ void store_parts(const State& state, float inverse) {
+    const int warp = group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
     // this lane's row of matrix i: state row 16 warp + 8 (i % 2) + r, column group 2 k + i / 2
     const uint32_t row = at + (16 * warp + 8 * (i % 2) + r) * 128;
 #pragma unroll
@@ -581,7 +591,8 @@ struct StateCopy {
 #pragma unroll
         for (int m = 0; m < 4; ++m) {  // matrix m: n-tile 2 k + m / 2, rows + 8 (m % 2)
           const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
-          const float x = state[a][v] * inverse, y = state[a][v + 1] * inverse;
+          const float x = kScaled ? state[a][v] * inverse : state[a][v],
+                      y = kScaled ? state[a][v + 1] * inverse : state[a][v + 1];
           hi[m] = pack<kHalf>(x, y);
           if constexpr (!kHalf) {
             lo[m] = pack<kHalf>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
@@ -1138,6 +1149,41 @@ __device__ __forceinline__ void prefetch_rows(const Stager& stage, const scalar_
     }
 }
 
+// O's pieces of one atom for row_dots: this thread's 16 bytes of the chunk's rows Stager::row0 +
+// 16 i (o: the chunk's first row at the atom's first column, o_l apart), 0 past n
+template <typename scalar_t>
+__device__ __forceinline__ void load_row_pieces(uint4 (&pieces)[4], const Stager& stage, const scalar_t* o,
+                                                int64_t o_l, int n) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = stage.row0 + 16 * i;
+    pieces[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(o + row * o_l + stage.col)) : make_uint4(0, 0, 0, 0);
+  }
+}
+// The same pieces of the staged dO (the atom at a_atom, this thread's own copies landed) times O's
+// (load_row_pieces), added to each row's partial dot
+template <bool kHalf>
+__device__ __forceinline__ void add_row_dots(float (&dots)[4], const Stager& stage, uint32_t a_atom,
+                                             const uint4 (&pieces)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 d = tensorcore::load_shared_16(a_atom + stage.piece0 + 2048 * i);
+    const uint32_t dw[4] = {d.x, d.y, d.z, d.w}, ow[4] = {pieces[i].x, pieces[i].y, pieces[i].z, pieces[i].w};
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const float2 x = unpack<kHalf>(dw[w]), y = unpack<kHalf>(ow[w]);
+      dots[i] = fmaf(x.y, y.y, fmaf(x.x, y.x, dots[i]));
+    }
+  }
+}
+// the partial dots summed over each row's eight lanes
+__device__ __forceinline__ void sum_row_dots(float (&dots)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int lanes = 1; lanes < 8; lanes *= 2) dots[i] += __shfl_xor_sync(0xffffffffu, dots[i], lanes);
+}
+
 // dO[t] . O[t] of the chunk's rows Stager::row0 + 16 i (where the kernel that makes dq makes them,
 // KernelParams::dots_in_grad_q: the dq pass, or the one-pass backward in one segment): this
 // thread's pieces of the staged dO (A: kAtoms atoms at a_tile, its own copies landed) times the
@@ -1156,27 +1202,10 @@ __device__ __forceinline__ void row_dots(float (&dots)[4], const Stager& stage, 
   for (int a = 0; a < kAtoms; ++a) {
     if (((inside >> a) & 1u) == 0) continue;
     uint4 from_o[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = stage.row0 + 16 * i;
-      from_o[i] = row < n ? __ldg(reinterpret_cast<const uint4*>(o + row * o_l + stage.col + 64 * a))
-                          : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 d = tensorcore::load_shared_16(a_tile + a * kTile + stage.piece0 + 2048 * i);
-      const uint32_t dw[4] = {d.x, d.y, d.z, d.w}, ow[4] = {from_o[i].x, from_o[i].y, from_o[i].z, from_o[i].w};
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        const float2 x = unpack<kHalf>(dw[w]), y = unpack<kHalf>(ow[w]);
-        dots[i] = fmaf(x.y, y.y, fmaf(x.x, y.x, dots[i]));
-      }
-    }
+    load_row_pieces(from_o, stage, o + 64 * a, o_l, n);
+    add_row_dots<kHalf>(dots, stage, a_tile + a * kTile, from_o);
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int lanes = 1; lanes < 8; lanes *= 2) dots[i] += __shfl_xor_sync(0xffffffffu, dots[i], lanes);
+  sum_row_dots(dots);
 }
 
 // weight(t) added to every score of column t of an accumulator (columns 8 j + 2 q4, + 1): dk's
@@ -2040,13 +2069,27 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
         divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C));
       }
     };
-    // (kProducerDots) chunk it's dO . O (its dO staged at `tile`) into the slot's row terms, before
-    // the chunk is announced
-    auto dots_of = [&](uint32_t tile, int slot, int64_t t0) {
+    // (kProducerDots) bfloat16 reads O's pieces of the next chunk to be announced (load_row_pieces) a
+    // chunk ahead: while that chunk lands, not between its landing and its announcement, where the
+    // read's latency was the producer's and the chunk's. bfloat16's one pass 5% faster so; float16's
+    // 5% slower, and it reads O where it makes the dots (RESULTS.md, sixty-seventh session).
+    constexpr bool kOAhead = kProducerDots && !kHalf;
+    uint4 o_ahead[4];
+    auto load_o_ahead = [&](int64_t t0) {
+      if constexpr (kOAhead) load_row_pieces(o_ahead, stage, o_rows + t0 * o_l, o_l, work.chunk_len(t0, C));
+    };
+    // (kProducerDots) chunk t0's dO . O (its dO staged at `tile`) into the slot's row terms, before
+    // the chunk is announced; then (kOAhead) the next chunk's O (next_t0 < 0: none)
+    auto dots_of = [&](uint32_t tile, int slot, int64_t t0, int64_t next_t0) {
       if constexpr (kProducerDots) {
-        const int n = work.chunk_len(t0, C);
-        float dots[4];
-        row_dots<kHalf, 1>(dots, stage, tile, o_rows + t0 * o_l, o_l, dout_src.inside, n);
+        float dots[4] = {0.f, 0.f, 0.f, 0.f};
+        if constexpr (kOAhead) {
+          if (dout_src.inside & 1u) add_row_dots<kHalf>(dots, stage, tile, o_ahead);
+          sum_row_dots(dots);
+          if (next_t0 >= 0) load_o_ahead(next_t0);
+        } else {
+          row_dots<kHalf, 1>(dots, stage, tile, o_rows + t0 * o_l, o_l, dout_src.inside, work.chunk_len(t0, C));
+        }
         if (stage.col != 0) return;
 #pragma unroll
         for (int i = 0; i < 4; ++i) terms.put(slot, 0, stage.row0 + 16 * i, dots[i]);  // (0 past n)
@@ -2067,20 +2110,22 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
               },
               [&](int64_t it, int slot) {
                 divide_q(sum_tile(slot, 0), slot, chunk_start(it));
-                dots_of(sum_tile(slot, 1), slot, chunk_start(it));
+                dots_of(sum_tile(slot, 1), slot, chunk_start(it), it + 1 < chunks ? chunk_start(it + 1) : -1);
               });
     };
     if (sums_first) {  // first to last
       Source q_on = stage.source(q_rows, work.seg_begin, E), dout_on = stage.source(dout_rows, work.seg_begin, M);
+      if (chunks > 0) load_o_ahead(work.seg_begin);
       produce_sums(q_on, dout_on, [&](int64_t it) { return work.seg_begin + it * C; }, std::false_type{});
       named_sync(kSummed, kBlockThreads);
     }
+    if (chunks > 0) load_o_ahead(chunk_begin(0));
     if (state_only) {  // the chunks from the last back to the first, as the pass's
       produce_sums(q_src, dout_src, chunk_begin, std::true_type{});
     } else {
       PassRing(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
         divide_q(tile_of(slot, 0), slot, chunk_begin(it));
-        dots_of(tile_of(slot, 3), slot, chunk_begin(it));
+        dots_of(tile_of(slot, 3), slot, chunk_begin(it), it + 1 < chunks ? chunk_begin(it + 1) : -1);
       });
     }
     return;
@@ -2175,7 +2220,13 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
 #pragma unroll
             for (int i = 0; i < 32; ++i) score[i] += row_a[(i % 4) / 2];
           }
-          add_masked_times<kHalf, true, true>(acc, score, kt, forward_form);
+          // (the forward's form, rare, its own call: a complement known at run time cost float16
+          // a PLOP3 a score fragment on every chunk)
+          if (forward_form) {
+            add_masked_times<kHalf, true, true>(acc, score, kt, true);
+          } else {
+            add_masked_times<kHalf, true, true>(acc, score, kt, false);
+          }
         };
         // as dk's below: bfloat16 the masked product behind dO T once the scores are in, T's
         // update behind both while dq is stored; float16 takes the copy's scale back first
