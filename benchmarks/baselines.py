@@ -31,6 +31,12 @@ def torch_chunked(q, k, v, chunk=64):
     return out.reshape(B, H, n * chunk, M)[:, :, :L]
 
 
+def torch_chunked_normalized(q, k, v, eps=1e-6, chunk=64):
+    """torch_chunked normalized as causal_linear_attention(normalize=True): divided by q[t] .
+    sum_{s<=t} k[s] + eps, which is torch_chunked with v a column of ones."""
+    return torch_chunked(q, k, v, chunk) / (torch_chunked(q, k, torch.ones_like(v[..., :1]), chunk) + eps)
+
+
 _fast_transformers = {}
 
 

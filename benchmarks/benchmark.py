@@ -110,11 +110,12 @@ def with_zero_state(q, k, v):
     return out
 
 
-def float64_results(q, k, v, dout):
+def float64_results(q, k, v, dout, normalize=False):
     """The output and the gradients of q, k and v in float64 for these (rounded) inputs: plain
-    PyTorch's chunked form, an independent implementation, on the inputs' device."""
+    PyTorch's chunked form, an independent implementation, on the inputs' device (`normalize`:
+    normalized, eps 1e-6, as causal_linear_attention's default)."""
     leaves = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    out = baselines.torch_chunked(*leaves)
+    out = (baselines.torch_chunked_normalized if normalize else baselines.torch_chunked)(*leaves)
     return [out.detach(), *torch.autograd.grad(out, leaves, dout.double())]
 
 
@@ -235,7 +236,8 @@ def main():
                         help="also time the default path with these features on, each a method of its own: "
                              "'fca normalize' (normalize=True; fla normalized beside it) and 'fca state' (a "
                              "zero initial state in, the final state returned: the plain output, so --accuracy "
-                             "applies); the normalized methods are timed only (the float64 reference is plain)")
+                             "applies); --accuracy measures the normalized methods on |q| and |k| against a "
+                             "normalized float64 reference (their timings use the signed inputs)")
     parser.add_argument("--warm-peers", action="store_true",
                         help="run each peer once per case (compiling fla's Triton kernels into the cache), time nothing")
     args = parser.parse_args()
@@ -328,6 +330,11 @@ def main():
                 cases = {name: fn for name, fn in cases.items() if any(m in name for m in args.methods.split(","))}
             blhd = [x.transpose(1, 2).contiguous() for x in (q, k, v, dout)] if fla else None
             exact = float64_results(q, k, v, dout) if args.accuracy and not args.warm_peers else None
+            # the normalized methods' accuracy on |q| and |k| (a positive feature map's: with signed
+            # q and k the normalizer can pass near 0), against the normalized float64 reference
+            positive = lambda xs: (xs[0].abs(), xs[1].abs(), *xs[2:])  # noqa: E731
+            exact_normalized = (float64_results(*positive((q, k, v, dout)), normalize=True)
+                                if exact and "normalize" in features else None)
             if args.warm_peers:  # gpu_check.sh runs this beside the build and tests, so that timing finds them compiled
                 for name, fn in cases.items():
                     if name in fla or name == "fast-transformers":
@@ -342,8 +349,10 @@ def main():
                 with method_settings(families.get(name, {}), tf32=name.endswith("tf32")):
                     inputs = blhd if name in fla else (q, k, v, dout)
                     fwd, fwd_bwd = timings(fn, *inputs, device, reps)
-                    plain = not name.endswith(" normalize")  # (the float64 reference is unnormalized)
-                    errors = relative_errors(fn, *inputs, exact, blhd=name in fla) if exact and plain else None
+                    normalized = name.endswith(" normalize")
+                    reference = exact_normalized if normalized else exact
+                    errors = (relative_errors(fn, *(positive(inputs) if normalized else inputs), reference, blhd=name in fla)
+                              if reference else None)
                 rows.append(dict(dtype=str(dtype).replace("torch.", ""), shape=shape, method=name,
                                  fwd_ms=fwd, fwd_bwd_ms=fwd_bwd, floor_fwd_ms=floor[0], floor_fwd_bwd_ms=floor[1]))
                 print(f"{rows[-1]['dtype']:9} {str(shape):>22} {name:>22} {fwd:9.3f} {fwd_bwd:11.3f} "
