@@ -130,6 +130,33 @@ def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kerne
         assert error <= 4 * ERROR_FLOOR[torch.float16], f"{name}: relative error {error:.3g}"
 
 
+@pytest.mark.usefixtures("nan_filled_outputs")
+@pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
+def test_float16_key_sums_beyond_float16_range(device, kernel, use_kernel):
+    """Under normalize, keys of about 20 summed over 4096 steps make a key sum z of about 86000,
+    past float16's largest value, while q . z, the outputs (averages of v) and the gradients stay
+    in range. Kernels that multiply q by a float16 copy of z must scale it: the results are finite
+    and float16-accurate."""
+    use_kernel(kernel)
+    gen = torch.Generator().manual_seed(86000)
+    B, H, L, E, M = 1, 2, 4096, 32, 32
+    q = torch.rand(B, H, L, E, generator=gen, dtype=torch.float64) / E
+    k = 20 + torch.rand(B, H, L, E, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, H, L, M, generator=gen, dtype=torch.float64)
+    q, k, v = (x.to(device=device, dtype=torch.float16).requires_grad_() for x in (q, k, v))
+    assert k.detach().double().sum(2).max() > 65504  # z past float16's range
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+    grad_out = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=torch.float16)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    exact = reference_with_grads(q, k, v, grad_out, normalize=True)
+    assert all(x.abs().max() < 60000 for x in exact)
+    magnitudes = (0.0, *gradient_magnitudes(q, k, v, grad_out, normalize=True))
+    for name, x, r, m in zip(("out", "grad_q", "grad_k", "grad_v"), (out, *grads), exact, magnitudes):
+        assert torch.isfinite(x).all(), f"{name} is not finite"
+        error = relative_error(x, r, m)
+        assert error <= 4 * ERROR_FLOOR[torch.float16], f"{name}: relative error {error:.3g}"
+
+
 CUDA_KERNELS = [p for p in DEVICE_KERNELS if p.values[0] == "cuda"]
 
 
