@@ -139,11 +139,18 @@ def test_float16_state_beyond_float16_range(normalize, device, kernel, use_kerne
 
 @pytest.mark.usefixtures("nan_filled_outputs")
 @pytest.mark.parametrize("device,kernel", DEVICE_KERNELS)
-def test_float16_key_sums_beyond_float16_range(device, kernel, use_kernel):
+def test_float16_key_sums_beyond_float16_range(device, kernel, use_kernel, request):
     """Under normalize, keys of about 20 summed over 4096 steps make a key sum z of about 86000,
     past float16's largest value, while q . z, the outputs (averages of v) and the gradients stay
     in range. Kernels that multiply q by a float16 copy of z must scale it: the results are finite
-    and float16-accurate."""
+    and float16-accurate.
+
+    A known bug (issue 5; RESULTS.md, sixty-eighth session): the CUDA tensor-core backwards round
+    q[t] / den[t] to float16, about 1e-6 here, deep in float16's subnormals, and grad_k comes out
+    1e-2 off on the H100 (float16's floor 4.9e-4). The recurrent and chunked families keep the
+    quotient in float32 and pass."""
+    if device == "cuda" and kernel in (None, "tensorcore"):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="float16 q / den in subnormals (issue 5)"))
     use_kernel(kernel)
     gen = torch.Generator().manual_seed(86000)
     B, H, L, E, M = 1, 2, 4096, 32, 32
