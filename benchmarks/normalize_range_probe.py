@@ -60,6 +60,7 @@ def results(q, k, v, g, dtype, call):
 
 def main():
     import fast_causal_attn
+    from benchmark import method_settings  # (a path's environment while it runs)
     from reference import gradient_magnitudes, reference, relative_error
 
     parser = argparse.ArgumentParser()
@@ -83,17 +84,13 @@ def main():
             for path, env in PATHS.items():
                 if path not in args.paths.split(","):
                     continue
-                saved = {name: os.environ.get(name) for name in env}
-                os.environ.update(env)
                 try:
-                    xs = results(q, k, v, g, dtype, ours)
+                    with method_settings(env, tf32=torch.backends.cuda.matmul.allow_tf32):
+                        xs = results(q, k, v, g, dtype, ours)
                     finite = all(torch.isfinite(x).all().item() for x in xs)
                     line = error(xs) + ("" if finite else " (NOT FINITE)")
                 except RuntimeError as e:
                     line = "raised: " + str(e).splitlines()[0][:100]
-                finally:
-                    for name, value in saved.items():
-                        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
                 print(f"  {str(dtype)[6:]:9s} {path:14s} {line} | {plain}", flush=True)
 
 
