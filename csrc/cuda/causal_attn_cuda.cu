@@ -1,6 +1,7 @@
 // CUDA backend: the launchers behind the ops and their registration for CUDA tensors.
 #include <algorithm>
 #include <atomic>
+#include <cfloat>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -171,6 +172,54 @@ void launch_backward_prepare(const KernelParams& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// float16's normalized backward on the wgmma kernels divides q (and dv's dO) by den in float16:
+// about 1 / |key sum| for positive features, below float16's smallest normal (6.1e-5) once den
+// passes a few thousand, where each halving loses a bit (dk 1e-2 off at den 4e4: RESULTS.md,
+// sixty-eighth session). The quotients are taken times a power of two instead
+// (KernelParams::den_unit): unit = 2^floor(log2(max |den| / 256)), at least 1, which puts the
+// last rows' (den near its largest) near q / 256 and the first rows' below q L / 256. Each block
+// takes the largest |den| of its stretch into `scratch[0]` (the bits of non-negative floats order
+// as unsigned integers; non-finite values are left out), and the last block to finish
+// (scratch[1] counts them) writes unit and 1 / unit to scratch[2], scratch[3]: the kernels and
+// launch_wgmma read them there.
+__global__ void den_unit_kernel(const float* den, int64_t n, unsigned* scratch) {
+  float largest = 0.f;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const float x = fabsf(den[i]);
+    if (x <= FLT_MAX) largest = fmaxf(largest, x);
+  }
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+  if (threadIdx.x % kWarp == 0) {
+    atomicMax(&scratch[0], __float_as_uint(largest));
+    __threadfence();  // seen by the last block before this block counts itself
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (atomicAdd(&scratch[1], 1u) != gridDim.x - 1) return;  // not the last block
+  __threadfence();
+  const float x = __uint_as_float(atomicMax(&scratch[0], 0u)) / 256.f;
+  int exponent = 1;
+  if (x >= 1.f) frexpf(x, &exponent);  // x = m 2^exponent, m in [0.5, 1): floor(log2 x) = exponent - 1
+  const float unit = ldexpf(1.f, min(exponent - 1, 120));
+  reinterpret_cast<float*>(scratch)[2] = unit;
+  reinterpret_cast<float*>(scratch)[3] = 1.f / unit;  // a power of two: exact
+}
+
+// KernelParams::den_unit for p (float16 under normalize; nullptr otherwise): four words, zeroed,
+// then den_unit_kernel over den's B H L values (float32, contiguous).
+at::Tensor make_den_unit(KernelParams& p, cudaStream_t stream) {
+  if (!p.normalize || p.dtype != at::kHalf || p.L == 0 || p.B * p.H == 0) return at::Tensor();
+  at::Tensor scratch = at::zeros({4}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
+  const int64_t n = p.B * p.H * p.L;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 2 * multiprocessor_count());
+  den_unit_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(static_cast<const float*>(p.den), n,
+                                                           reinterpret_cast<unsigned*>(scratch.data_ptr<int>()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  p.den_unit = reinterpret_cast<const float*>(scratch.data_ptr<int>()) + 2;
+  return scratch;
+}
+
 // The user's TF32 setting for float32 matmuls, which the tensor-core kernels follow.
 bool tf32_allowed(const KernelParams& p) { return p.dtype == at::kFloat && at::globalContext().allowTF32CuBLAS(); }
 
@@ -210,6 +259,7 @@ void launch_backward_cuda(const BackwardParams& params) {
   static_cast<BackwardParams&>(p) = params;
   p.tf32 = tf32_allowed(p);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor den_unit = make_den_unit(p, stream);  // (float16 under normalize)
   // The one-pass backward (one_pass_backward), from the forward's segment ends, which the
   // forward kept where it decided on it (the two decide alike)
   const bool one_pass =

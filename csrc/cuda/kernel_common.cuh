@@ -5,10 +5,12 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <cuda_runtime.h>
 
@@ -133,8 +135,69 @@ struct KernelParams : BackwardParams {
   bool end_transposed = false;         // (dk with dv in one pass: run_grad_kv)
   void* end_vector = nullptr;          // like start_vector
   const void* out_bias = nullptr;      // [B * H, Dc], added to every output row (grad k, no normalize)
+  // float16 under normalize, the reverse passes (dk, dv) on the tensor cores (the wgmma kernels,
+  // and the mma.sync kernels through Operands::take_den_unit): the rows they divide by den (q / den, dv's dO / den: about 1 / |key sum|, below float16's smallest normal
+  // 6.1e-5 once den is large) are taken times den_unit[0], a power of two (make_den_unit in
+  // causal_attn_cuda.cu: 2^floor(log2(max |den| / 256)), at least 1), and everything the passes
+  // sum from them (their states, dk's extra row, their outputs) is in that unit: the outputs are
+  // stored times den_unit[1] = 1 / den_unit[0], and the states given to and taken from the passes
+  // are converted by launch_wgmma (run_tensorcore for the mma.sync kernels). nullptr: unit 1.
+  const float* den_unit = nullptr;
 
   bool has_state_io() const { return start_state || start_vector || end_state || end_vector || out_bias; }
+};
+
+// KernelParams::den_unit's unit (which = 0) or its inverse (which = 1); 1 without one.
+__device__ __forceinline__ float den_unit_of(const KernelParams& p, int which) {
+  return p.den_unit != nullptr ? p.den_unit[which] : 1.f;
+}
+
+// float32 tensors on the current device: the converted states (ReverseStates), den's division and
+// the key sums' (wgmma_launch.cuh).
+inline at::TensorOptions float_options() {
+  return at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
+}
+
+// A reverse pass's states in the units its kernels sum in: the given start (the final state's
+// gradient, and dk's extra row's, [pairs, Dc]) divided by `scale` and, under
+// KernelParams::den_unit, times the unit, the end (the initial state's gradient) times `scale`
+// and 1 / unit after the launch (finish). launch_wgmma's kernels sum without the scale; the
+// mma.sync kernels with it (scale 1). The converted starts live as long as this.
+class ReverseStates {
+ public:
+  ReverseStates(KernelParams& p, int64_t Da, int64_t Dc, double scale)
+      : scale_(scale), den_unit_(p.den_unit), state_numel_(p.num_seqs * p.H * Da * Dc), vector_numel_(p.num_seqs * p.H * Dc) {
+    if (!converts()) return;
+    p.start_state = into_pass(p.start_state, state_numel_, start_);
+    p.start_vector = into_pass(p.start_vector, vector_numel_, start_vector_);
+  }
+  void finish(const KernelParams& p) const {
+    if (!converts()) return;
+    out_of_pass(p.end_state, state_numel_);
+    out_of_pass(p.end_vector, vector_numel_);
+  }
+
+ private:
+  bool converts() const { return scale_ != 1.0 || den_unit_ != nullptr; }
+  // den_unit's unit (0) or its inverse (1), as a one-element tensor on the device
+  at::Tensor unit(int which) const { return at::from_blob(const_cast<float*>(den_unit_) + which, {1}, float_options()); }
+  const void* into_pass(const void* given, int64_t numel, at::Tensor& converted) const {
+    if (given == nullptr) return given;
+    converted = at::from_blob(const_cast<void*>(given), {numel}, float_options());
+    converted = scale_ != 1.0 ? converted.div(scale_) : converted.clone();
+    if (den_unit_ != nullptr) converted.mul_(unit(0));
+    return converted.data_ptr();
+  }
+  void out_of_pass(void* end, int64_t numel) const {
+    if (end == nullptr) return;
+    at::Tensor x = at::from_blob(end, {numel}, float_options());
+    if (scale_ != 1.0) x.mul_(scale_);
+    if (den_unit_ != nullptr) x.mul_(unit(1));
+  }
+  double scale_;
+  const float* den_unit_;
+  int64_t state_numel_, vector_numel_;
+  at::Tensor start_, start_vector_;
 };
 
 // Pass P's output: the forward's o, or dq, dk, dv.
@@ -232,8 +295,15 @@ struct Operands {
     return P == Pass::Forward ? Rows{v, v_l} : P == Pass::GradQ ? Rows{k, k_l} : P == Pass::GradK ? Rows{q, q_l}
                                                                                                   : Rows{dout, dout_l};
   }
+  // (the mma.sync kernels, float16 under normalize, dk and dv: take_den_unit) q scale / den in
+  // KernelParams::den_unit's unit and the outputs' factor back out of it; 1 and 1 elsewhere (the
+  // chunked and recurrent families keep q / den in float32 and never take it)
+  acc_t unit = acc_t(1), inverse_unit = acc_t(1);
+  __device__ void take_den_unit(const KernelParams& p) {
+    if (PassTraits<P>::kReverse && den != nullptr && p.den_unit != nullptr) unit = p.den_unit[0], inverse_unit = p.den_unit[1];
+  }
   __device__ acc_t inv_den(int64_t s) const { return den ? acc_t(1) / den[s] : acc_t(1); }
-  __device__ acc_t scaled_q_factor(int64_t s) const { return den ? scale / den[s] : scale; }
+  __device__ acc_t scaled_q_factor(int64_t s) const { return den ? scale / den[s] * unit : scale; }
   __device__ acc_t a_factor(int64_t) const { return P == Pass::Forward ? scale : acc_t(1); }
   __device__ acc_t b_factor(int64_t s) const { return P == Pass::GradV ? scaled_q_factor(s) : acc_t(1); }
   __device__ acc_t c_factor(int64_t s) const { return P == Pass::GradK ? scaled_q_factor(s) : acc_t(1); }
@@ -264,7 +334,8 @@ struct Operands {
   // the registers it clobbers spilled the tensor-core kernel's accumulators).
   __device__ float out_factor(int64_t s, float denominator) const {
     static_assert(std::is_same_v<acc_t, float>, "float32 accumulation");
-    return P == Pass::Forward ? __frcp_rn(denominator) : P == Pass::GradQ ? (den ? scale * __frcp_rn(den[s]) : scale) : 1.f;
+    return P == Pass::Forward ? __frcp_rn(denominator) : P == Pass::GradQ ? (den ? scale * __frcp_rn(den[s]) : scale)
+                                                                          : inverse_unit;
   }
   // denominator: the forward's normalizer at s (1 without normalize).
   __device__ void store(int64_t s, int64_t m, acc_t value, acc_t denominator) const {

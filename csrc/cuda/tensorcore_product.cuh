@@ -634,7 +634,8 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
   const int cols = work.cols;
   const bool state_only = work.state_only, extra_row = work.extra_row, denominator = work.denominator;
   const bool track_key_sum = work.track_key_sum;
-  const Operands<P, scalar_t, acc_t> ops = work.operands(p);
+  Operands<P, scalar_t, acc_t> ops = work.operands(p);
+  if constexpr (sizeof(scalar_t) == 2) ops.take_den_unit(p);  // (float16 under normalize, dk and dv)
   // The fused pass (GradKV, Da = M and Dc = E up to 64, one column tile) is the dk pass (a = v,
   // b = dO, c = q' = q scale / den, state S = sum dO^T q', out dk) plus the dv pass, whose
   // operands are the same arrays the other way round (a = k, b = q', c = dO) and whose state,
@@ -985,8 +986,10 @@ __global__ void __launch_bounds__(tensorcore::kThreads, tensorcore::min_blocks_p
             [](int) { return false; });
         scale_back(out_v);
         accumulate_scores_times(out_v, score_v, b_s, S::kAB);
-        constexpr float kOne[2] = {1.f, 1.f};
-        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n, kOne, false);
+        // (1, or out of den's unit, as dk's: ops.inverse_unit)
+        const float dv_factor[2] = {float(ops.inverse_unit), float(ops.inverse_unit)};
+        write_outputs(out_v, buf.a2, ops_v.out + (t0 + 16 * warp) * ops_v.out_l, ops_v.out_l, int(Da), n, dv_factor,
+                      ops.inverse_unit != acc_t(1));
       }
     }
 
@@ -1220,7 +1223,7 @@ constexpr bool kTensorCoreInput =
 
 // float16, bfloat16 and float32 (3xTF32) inputs, the state's rows (Da) up to kMaxTensorCoreRows.
 template <Pass P, typename scalar_t>
-ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
+ForwardSegments run_tensorcore_blocks(const KernelParams& p, int64_t Da, int64_t Dc, cudaStream_t stream) {
   if constexpr (kTensorCoreInput<scalar_t>) {
     if (Da <= 64) {
       return launch_tensorcore<P, scalar_t, 64, tensorcore_block_columns(64)>(p, Da, Dc, stream);
@@ -1239,6 +1242,19 @@ ForwardSegments run_tensorcore(const KernelParams& p, int64_t Da, int64_t Dc, cu
     TORCH_CHECK(false, "fast_causal_attn: the tensor-core kernels take float16, bfloat16 and float32 inputs");
     return {};
   }
+}
+
+// run_tensorcore_blocks, and where dk's and dv's sums are in KernelParams::den_unit's unit (float16
+// under normalize: Operands::take_den_unit) their states in and out of it (ReverseStates; the
+// scale is in the operands here).
+template <Pass P, typename scalar_t>
+ForwardSegments run_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
+  KernelParams p = params;
+  if (sizeof(scalar_t) != 2 || !PassTraits<P>::kReverse || !p.normalize || p.dry_run) p.den_unit = nullptr;
+  const ReverseStates states(p, Da, Dc, 1.0);
+  const ForwardSegments kept = run_tensorcore_blocks<P, scalar_t>(p, Da, Dc, stream);
+  states.finish(p);
+  return kept;
 }
 
 }  // namespace cuda

@@ -200,12 +200,6 @@ struct RowTileSums {
   }
 };
 
-// float32 tensors on the current device: den's division (divide_by_den), the key sums' and the
-// rescaled states' (launch_wgmma).
-inline at::TensorOptions float_options() {
-  return at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, c10::cuda::current_device());
-}
-
 // The normalized float32 forward in two row tiles (wgmma_takes): its outputs, summed undivided as
 // den's parts were (wgmma_tf32_product_kernel), divided by den after the pass, on the current
 // stream (the launches'): one more read and write of O, where one block holding all of E's rows
@@ -673,7 +667,8 @@ void add_key_sums(const KernelParams& p, cudaStream_t stream) {
 // The kernels multiply each output by the scale, A's product with the state too, and the reverse
 // passes' state holds the sums of q dO^T without it (wgmma_product.cuh): a given start there (the
 // final state's gradient, which takes no scale) goes in divided by the scale, and the end (the
-// initial state's gradient: the start plus scale times the sums) comes out times it.
+// initial state's gradient: the start plus scale times the sums) comes out times it; under
+// KernelParams::den_unit (float16 under normalize) in and out of the unit as well (ReverseStates).
 template <Pass P, typename scalar_t>
 ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   KernelParams p = params;
@@ -681,22 +676,10 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // forward's KeySums, dk with dv's extra row)
   if (!p.normalize) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
   p.out_bias = nullptr;
-  const bool rescale = PassTraits<P>::kReverse && p.scale != 1.0 && !p.dry_run;
-  const int64_t pairs = p.num_seqs * p.H, state_numel = pairs * Da * Dc;
-  // a reverse pass's start divided by the scale, its end times it (the extra row's vectors, [pairs,
-  // Dc], as the state)
-  at::Tensor start, start_vector;
-  if (rescale && p.start_state != nullptr) {
-    start = at::from_blob(const_cast<void*>(p.start_state), {state_numel}, float_options()).div(p.scale);
-    p.start_state = start.data_ptr();
-  }
-  if (rescale && p.start_vector != nullptr) {
-    start_vector = at::from_blob(const_cast<void*>(p.start_vector), {pairs * Dc}, float_options()).div(p.scale);
-    p.start_vector = start_vector.data_ptr();
-  }
+  if (!PassTraits<P>::kReverse || p.dry_run) p.den_unit = nullptr;  // (the forward's and dq's take none)
+  const ReverseStates states(p, Da, Dc, PassTraits<P>::kReverse && !p.dry_run ? p.scale : 1.0);
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
-  if (rescale && p.end_state != nullptr) at::from_blob(p.end_state, {state_numel}, float_options()).mul_(p.scale);
-  if (rescale && p.end_vector != nullptr) at::from_blob(p.end_vector, {pairs * Dc}, float_options()).mul_(p.scale);
+  states.finish(p);
   if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
   return kept;
 }

@@ -1226,14 +1226,15 @@ __device__ __forceinline__ void add_to_columns(float (&score)[32], Weight&& weig
 // that copied them: its own pieces of the staged tile (Stager's rows row0 + 16 i of its column
 // group, its copies landed), row r times 1 / den[r] in float32 and rounded once; rows past n are
 // zeros and stay so. Then fenced for wgmma. den: the chunk's, in its slot's row terms. The four
-// are read first, at once (read between the tile's loads, each waited on its own).
+// are read first, at once (read between the tile's loads, each waited on its own). unit: float16's
+// KernelParams::den_unit (a power of two: the quotients out of its subnormals), 1 for bfloat16.
 template <bool kHalf>
-__device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, const float* den, int n) {
+__device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, const float* den, int n, float unit) {
   float factors[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const int row = stage.row0 + 16 * i;
-    factors[i] = row < n ? __frcp_rn(den[row]) : 0.f;
+    factors[i] = row < n ? __frcp_rn(den[row]) * unit : 0.f;
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -1491,13 +1492,15 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       // column t of the scores in P Cc and row t of B^T Cc, so both products see it once, and Cc
       // is one tile where B is kAtoms (dv dividing B's four atoms at bf16 4,16,2048,256 took 0.301
       // ms where dk took 0.215; H100, RESULTS.md, fifty-sixth session)
+      // (float16: the quotients in KernelParams::den_unit's unit, read once here)
+      const float unit = kHalf && kDividesCc ? den_unit_of(p, 0) : 1.f;
       auto divide_cc = [&](int64_t it, int slot) {
         if constexpr (kDividesCc) {
           named_sync(kLandedBarrier, kThreads);
           const int n = work.chunk_len(chunk_begin(it), C);
           const float* den = row_terms.slot(slot) + 64;
 #pragma unroll
-          for (int g = 0; g < kCcTiles; ++g) divide_rows<kHalf>(stage, tile_of(slot, 2 * kAtoms + g), den, n);
+          for (int g = 0; g < kCcTiles; ++g) divide_rows<kHalf>(stage, tile_of(slot, 2 * kAtoms + g), den, n, unit);
         }
       };
       // (makes_dots) chunk it's dO . O, from this thread's own landed pieces of dO, into the slot's
@@ -1637,8 +1640,9 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     keys.set([&](int column) { return !state_only && m0 + column < Dc ? start.extra(m0 + column) : 0.f; });
   }
 
-  // Each output times the pass's constant factor (see the file's comment).
-  const float factor = float(p.scale);
+  // Each output times the pass's constant factor (see the file's comment; the reverse passes'
+  // under normalize in float16 also times 1 / KernelParams::den_unit, the unit of their sums).
+  const float factor = float(p.scale) * (kHalf && kNormalize && kReverse ? den_unit_of(p, 1) : 1.f);
   if (state_only) {  // the segment's own B^T Cc alone (no summing walk before)
     sum_own_chunks();
   } else {
@@ -2062,11 +2066,13 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     // kNormalize: chunk it's staged q (at `tile`) divided by its rows' den once landed, den read
     // from the slot's terms once every producer thread's copies are in (each thread divides rows
     // whose den another copied). Read from global memory, den cost each chunk's announcement a
-    // read's latency, which the sums' walks (a product a chunk) could not hide.
+    // read's latency, which the sums' walks (a product a chunk) could not hide. (float16: the
+    // quotients in KernelParams::den_unit's unit, read once here.)
+    const float unit = kHalf && kNormalize ? den_unit_of(p, 0) : 1.f;
     auto divide_q = [&](uint32_t tile, int slot, int64_t t0) {
       if constexpr (kNormalize) {
         named_sync(kLanded, kThreads);
-        divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C));
+        divide_rows<kHalf>(stage, tile, terms.slot(slot) + 64, work.chunk_len(t0, C), unit);
       }
     };
     // (kProducerDots) bfloat16 reads O's pieces of the next chunk to be announced (load_row_pieces) a
@@ -2344,7 +2350,9 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
   }
   copy.publish_first(copy.rows(d), consumers_sync);
 
-  const float factor = float(p.scale);
+  // dk's and dv's factor: the scale, and under normalize in float16 1 / KernelParams::den_unit
+  // (the unit of the divided q and of everything summed from it)
+  const float factor = float(p.scale) * (kHalf && kNormalize ? den_unit_of(p, 1) : 1.f);
   PassRing ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     fence_shared_writes();  // the state's copy, made at the end of the chunk before
@@ -2493,13 +2501,15 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
     StageRing<kDepth>::commit_copies();
   };
   // (kNormalize) once chunk it is in (in `slot`, q's two atoms at q_tile): group 0 divides the q
-  // rows it staged by their den (divide_rows), and a second barrier shows them to every wgmma
+  // rows it staged by their den (divide_rows; float16's in KernelParams::den_unit's unit), and a
+  // second barrier shows them to every wgmma
+  const float unit = kHalf && kNormalize ? den_unit_of(p, 0) : 1.f;
   auto divide_q = [&](int64_t it, int slot, uint32_t q_tile) {
     if constexpr (kNormalize) {
       if (group == 0) {
         const int n = work.chunk_len(chunk_begin(it), C);
 #pragma unroll
-        for (int a = 0; a < 2; ++a) divide_rows<kHalf>(stage, q_tile + a * kTile, terms.slot(slot) + 64, n);
+        for (int a = 0; a < 2; ++a) divide_rows<kHalf>(stage, q_tile + a * kTile, terms.slot(slot) + 64, n, unit);
       }
       __syncthreads();
     }
@@ -2554,7 +2564,9 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   }
   copy.publish_first(d);
 
-  const float factor = float(p.scale);
+  // dk's and dv's factor: the scale, and under normalize in float16 1 / KernelParams::den_unit
+  // (the unit of the divided q and of everything summed from it)
+  const float factor = float(p.scale) * (kHalf && kNormalize ? den_unit_of(p, 1) : 1.f);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
