@@ -136,11 +136,20 @@ struct ProductLayout {
   __host__ __device__ constexpr int den_parts_bytes() const {
     return normalize && splits_rows() && !row_terms ? kDenPartsBytes : 0;
   }
-  // the stage slots, the copies and P's ring (tiles), the staging rows, each group's warps'
-  // largest |S|, the key sums, the row terms or the den parts
+  // bfloat16's forward under normalize, but at four atoms (splits_rows: partial row sums): a 64 x
+  // 8 tile of ones (1 KB, 1024-aligned after the staging rows), B of the n8 products that sum P's
+  // rows and (one atom) k's columns on the tensor cores (rows_of_ones, column_sums_of_ones); at
+  // one atom, each group's copy of z for q . z there too (KeySums::publish_copy: two 1 KB parts).
+  // Measured (RESULTS.md, sixty-eighth session, H100): bfloat16 1-2% faster; float16 5-6% slower
+  // at 8,16,2048,64 (its copy of z needed a scale), so float16 keeps the sums on the CUDA cores.
+  __host__ __device__ constexpr int ones_bytes() const {
+    return normalize && !half && !row_terms && !splits_rows() ? 1024 + (atoms == 1 ? groups * 2048 : 0) : 0;
+  }
+  // the stage slots, the copies and P's ring (tiles), the staging rows, the ones, each group's
+  // warps' largest |S|, the key sums, the row terms or the den parts
   __host__ __device__ constexpr size_t smem_bytes() const {
     return size_t(stages_for_atoms(atoms) * slot_tiles() + copy_tiles() + scores_tiles()) * kTile +
-           staging_bytes() + groups * 4 * sizeof(float) + key_sum_bytes() +
+           staging_bytes() + ones_bytes() + groups * 4 * sizeof(float) + key_sum_bytes() +
            (row_terms ? row_terms_bytes(stages_for_atoms(atoms), 2) : 0) + den_parts_bytes();
   }
 };
@@ -238,6 +247,24 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
 }
 #undef FCA_WGMMA_D32
 #undef FCA_WGMMA_D32_LIST
+// d (64 x 8 float32: warp w rows 16 w + g (+8), columns 2 q (+1): d[0], d[1] row g, d[2], d[3]
+// row g + 8) += A B^T, A from registers as mma_rs's, B (8 x 16) K-major from shared memory
+template <bool kHalf>
+__device__ __forceinline__ void mma_rs_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
+  }
+}
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -865,6 +892,92 @@ __device__ __forceinline__ void normalizer_sums(float (&exact)[2], float (&round
   with_warp_rank(
       [&](auto rank) { normalizer_sums_of<kHalf, kReverse, decltype(rank)::value>(exact, rounded, score, a); });
 }
+// The exact sums alone (normalizer_sums_of's first), where P's rounded ones come from the tensor
+// cores (rows_of_ones)
+template <bool kReverse, int kWarpRank>
+__device__ __forceinline__ void exact_row_sums_of(float (&exact)[2], const float (&score)[32]) {
+  exact[0] = exact[1] = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (kept_by_mask<kReverse, kWarpRank>(j, e)) exact[e / 2] += score[4 * j + e];
+    }
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2) exact[h] += __shfl_xor_sync(0xffffffffu, exact[h], offset);
+}
+template <bool kReverse>
+__device__ __forceinline__ void exact_row_sums(float (&exact)[2], const float (&score)[32]) {
+  with_warp_rank([&](auto rank) { exact_row_sums_of<kReverse, decltype(rank)::value>(exact, score); });
+}
+// d (64 x 8 float32, mma_rs_n8's layout) += A B^T, both from shared memory, A MN-major (a staged
+// tile with K along its rows: B^T of the state's update), B K-major
+template <bool kHalf>
+__device__ __forceinline__ void mma_ss_n8_mn_a(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+  }
+}
+// The same with A K-major (a staged tile with K along its columns: A of the scores)
+template <bool kHalf>
+__device__ __forceinline__ void mma_ss_n8(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
+  }
+}
+// d = A z for a staged tile A (one atom, K-major) and z's 16-bit copy (KeySums::publish_copy: its
+// two parts, 1 KB apart, z in row 0 of each), the remainder first: column 0 (lane q4 = 0's d[0],
+// row g, and d[2], row g + 8) holds q . z 2^-shift, the other columns nothing of use
+template <bool kHalf>
+__device__ __forceinline__ void times_key_copy(float (&d)[4], uint32_t a_tile, uint32_t copy_tile) {
+#pragma unroll
+  for (int part = 1; part >= 0; --part)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      mma_ss_n8<kHalf>(d, k_along_columns(a_tile, s), k_along_columns(copy_tile + 1024 * part, s), part == 0 || s > 0);
+    }
+}
+// d[a] = B^T 1 for each atom a of the staged tile at b_tile: the chunk's sums of B's columns 64 a
+// + 16 w + g (d[a][0]) and + 8 (d[a][2]), on the tensor cores (four m64n8k16 products an atom,
+// in the caller's committed group; KeySums::add_column_sums takes them in)
+template <bool kHalf, int kAtoms>
+__device__ __forceinline__ void column_sums_of_ones(float (&d)[kAtoms][4], uint32_t b_tile, uint32_t ones_tile) {
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+    for (int s = 0; s < 4; ++s) mma_ss_n8_mn_a<kHalf>(d[a], k_along_rows(b_tile, s, a * kTile), descriptor(ones_tile), s > 0);
+}
+// d = P 1 (P's fragments, masked_fragments): each row's sum of P as rounded to 16 bits, on the
+// tensor cores (four m64n8k16 products with the ones tile, in the caller's committed group); row
+// g's in d[0] (and d[1]), row g + 8's in d[2]. What normalizer_sums_of's rounded sums took on the
+// CUDA cores: 32 conversions, 32 adds and 6 shuffles a thread and chunk.
+template <bool kHalf>
+__device__ __forceinline__ void rows_of_ones(float (&d)[4], const uint32_t (&a)[4][4], uint32_t ones_tile) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) mma_rs_n8<kHalf>(d, a[s], descriptor(ones_tile), s > 0);
+}
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
 // tile, MN-major: K along its rows.
 template <bool kHalf>
@@ -1019,6 +1132,34 @@ struct KeySums {
   }
   __device__ void chunk_sums(float (&sums)[kAtoms][2], uint32_t b_tile) const {
     chunk_sums(sums, b_tile, [](int) { return 1.f; });
+  }
+  // z's bfloat16 copy for times_key_copy (one atom): lane q4 = 0 of each row pair writes its
+  // warp's entries 16 w + g, + 8 (the warp's own: its writes seen after a __syncwarp) in two parts
+  // (hi, and the remainder 1 KB on: q . z to 2^-16 relative) in row 0 of the parts' tiles (K-major,
+  // row 0 unswizzled: entry e at 2 e bytes). bfloat16 has float32's exponents, so z needs no scale.
+  __device__ void publish_copy(uint16_t* copy) const {
+    static_assert(!kHalf, "float16's z would need a scale (its sums stay on the CUDA cores)");
+    const int lane = threadIdx.x % kWarp;
+    if (lane % 4 == 0) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int e = 16 * group_warp() + lane / 4 + 8 * h;
+        const uint32_t hi = pack<false>(z[e], 0.f);
+        const float head = unpack<false>(hi).x;
+        copy[e] = uint16_t(hi & 0xffffu);
+        copy[512 + e] = uint16_t(pack<false>(z[e] - head, 0.f) & 0xffffu);
+      }
+    }
+  }
+  // z += column_sums_of_ones' sums (lane q4 = 0 of each row pair g, g + 8: its columns 64 a + 16 w
+  // + g, + 8)
+  __device__ void add_column_sums(const float (&sums)[kAtoms][4]) const {
+    const int lane = threadIdx.x % kWarp;
+    if (lane % 4 != 0) return;
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) z[64 * a + 16 * group_warp() + lane / 4 + 8 * h] += sums[a][2 * h];
   }
   // An owner's columns of z set to `previous`'s plus its chunk sums (dq's double-buffered z).
   __device__ void assign(const KeySums& previous, const float (&sums)[kAtoms][2]) const {
@@ -1338,6 +1479,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   constexpr int kStagingAt = kScoresAt + kLayout.scores_tiles();
   constexpr int kStagingEnd = kStagingAt * kTile + kLayout.staging_bytes();
   static_assert(kLayout.smem_bytes() <= 227 * 1024, "shared memory of one block");
+  static_assert(kLayout.ones_bytes() == 0 || kStagingEnd % 1024 == 0, "the ones tile on the swizzle's period");
 
   extern __shared__ __align__(1024) unsigned char wgmma_smem[];
   const uint32_t base = smem_address(wgmma_smem);
@@ -1351,7 +1493,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       kLayout.stages_over_copy() ? wgmma_smem + copy_tile * kTile
                       : staging_at + (kSplitRows ? (kExchangeBytes / 4 - 16 * kOutStride * 2) * group_warp()
                                                  : group * kStagingBytes));
-  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd);
+  // (kLayout.ones_bytes) the ones tile, B of rows_of_ones, after the staging rows; at one atom this
+  // group's copy of z (its two parts) after it
+  const uint32_t ones_tile = base + uint32_t(kStagingEnd), key_copy_tile = ones_tile + 1024 + 2048 * group;
+  uint16_t* const key_copy = reinterpret_cast<uint16_t*>(wgmma_smem + kStagingEnd + 1024 + 2048 * group);
+  float* warp_max = reinterpret_cast<float*>(wgmma_smem + kStagingEnd + kLayout.ones_bytes());
   StateCopy<kHalf, kStateAtoms> copy{base + uint32_t(copy_tile) * kTile, warp_max + 4 * group};
   // (kNormalize) the key sum: the forward's z over this group's B columns (Da's, kSplitRows: its
   // half's), for den; dq's over its group's Cc columns (k's, the extra row's; kSplitRows: both
@@ -1669,6 +1815,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     // half of Da) and the outputs' factors a row
     float key_dots[2], row_sums[2][2], row_factors[2];
     static_assert(!kNormalize || (kCopyBesideScores && !kProducerScores), "the normalizer's place");
+    // (kNormalize, bfloat16's forward, but kSplitRows: kLayout.ones_bytes) P's rounded row sums on
+    // the tensor cores, beside P Cc (rows_of_ones, in rounded_sums once P Cc is waited for), the
+    // float32 scores' on the CUDA cores (exact_sums); the first group writes the ones tile, which
+    // the ring's first wait (every consumer's barrier) shows the second
+    constexpr bool kOnesRows = kLayout.ones_bytes() > 0;
+    // and (one atom) the chunk's sums of k too (column_sums_of_ones; at two atoms their eight
+    // accumulators beside the scores spilled 44-132 bytes)
+    constexpr bool kKeySumsOnOnes = kOnesRows && kStateAtoms == 1;
+    // and (one atom) q . z, from z's 16-bit copy (KeySums::publish_copy at each chunk's start, its
+    // products with A S: times_key_copy), z as set above: the warp's own entries, hence its sync
+    constexpr bool kKeyDotsOnOnes = kKeySumsOnOnes;
+    float exact_sums[2], rounded_sums[4], key_columns[kStateAtoms][4], key_copy_dots[4];
+    if constexpr (kKeyDotsOnOnes) __syncwarp();
+    if constexpr (kOnesRows) {
+      if (group == 0) {
+        const uint32_t one = 0x3F803F80u;  // two bfloat16 ones
+        reinterpret_cast<uint2*>(wgmma_smem + kStagingEnd)[threadIdx.x % kThreads] = make_uint2(one, one);
+        fence_shared_writes();
+      }
+    }
     for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
       const int64_t j = summed + it;  // the ring's chunk
       // kNormalize, dq: the lane's rows' extra-row a (-dO[t] . O[t]) or output factor (scale /
@@ -1719,11 +1885,19 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           add_to_columns(score, row_terms.extra_weights(ring.slot));
         }
         if constexpr (kNormalize && P == Pass::Forward) {
+          // (kKeySumsOnOnes: the scores waited for, their group's k sums too; every warp's q . z
+          // read z before the copy's barrier)
+          if constexpr (kKeySumsOnOnes) keys.add_column_sums(key_columns);
           uint32_t masked[4][4];
           masked_fragments<kHalf, kReverse>(masked, score);
-          normalizer(score, masked);
+          if constexpr (kOnesRows) {
+            exact_row_sums<kReverse>(exact_sums, score);
+          } else {
+            normalizer(score, masked);
+          }
           fence();
           add_fragments_times<kHalf>(to, masked, c_tile);
+          if constexpr (kOnesRows) rows_of_ones<kHalf>(rounded_sums, masked, ones_tile);
           commit();
         } else {
           add_masked_times<kHalf, kReverse>(to, score, c_tile);
@@ -1753,11 +1927,17 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         float score[32];  // set by its first product
         fence();
         scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
+        // (kKeySumsOnOnes) this chunk's sums of k, z's next update, on the tensor cores with the scores
+        // (key_columns, taken into z by add_masked once the scores are waited for)
+        if constexpr (kKeySumsOnOnes) column_sums_of_ones<kHalf, kStateAtoms>(key_columns, bt, ones_tile);
         commit();
-        float key_chunk[kStateAtoms][2];  // (kNormalize) this chunk's sums of k: z's next update
+        // (kKeyDotsOnOnes) z's copy for this chunk's q . z, seen by the tensor cores after the state
+        // copy's fence and barrier below
+        if constexpr (kKeyDotsOnOnes) keys.publish_copy(key_copy);
+        float key_chunk[kStateAtoms][2];  // (kNormalize, but kKeySumsOnOnes) this chunk's sums of k
         if constexpr (kNormalize && P == Pass::Forward) {  // while the scores run
-          keys.row_dots(key_dots, at);
-          keys.chunk_sums(key_chunk, bt);
+          if constexpr (!kKeyDotsOnOnes) keys.row_dots(key_dots, at);
+          if constexpr (!kKeySumsOnOnes) keys.chunk_sums(key_chunk, bt);
         }
         if constexpr (kExtraRow) {  // the next chunk's z (e) beside this one's
           float sums[1][2];
@@ -1769,7 +1949,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           fence_shared_writes();
           group_sync();  // the copy seen by every warp's wgmma
         }
-        if constexpr (kNormalize && P == Pass::Forward) keys.add(key_chunk);  // (every warp's q . z has read z)
+        if constexpr (kNormalize && P == Pass::Forward && !kKeySumsOnOnes) keys.add(key_chunk);  // (every warp's q . z has read z)
         if constexpr (kStateAtoms == 4) {
           // The state's 128 registers leave no room for the scores, A S and P at once (that order
           // spilled 1.4 KB a thread): the state's update runs while the scores become P, then A S
@@ -1793,6 +1973,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         } else {
           fence();
           times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
+          if constexpr (kKeyDotsOnOnes) times_key_copy<kHalf>(key_copy_dots, at, key_copy_tile);  // q . z
           commit();
           if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
             wait<1>();  // the scores; A S may still run
@@ -1875,6 +2056,13 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       } else {
         // (in the copy's tiles: every warp's A S has read the copy)
         if constexpr (kLayout.stages_over_copy()) group_sync();
+        if constexpr (kKeyDotsOnOnes) {  // (A S waited for) lane q4 = 0's column 0 to its quad
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            key_dots[h] = __shfl_sync(0xffffffffu, key_copy_dots[2 * h], int(threadIdx.x % kWarp) & ~3);
+          }
+        }
+        if constexpr (kOnesRows) finish_normalizer({rounded_sums[0], rounded_sums[2]}, exact_sums);  // (P Cc waited for)
         finish_outputs();
       }
       if constexpr (kStateBehindOutputs) {
@@ -1898,9 +2086,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
     store_end(state[a], kept_end, Da, Dc, row0 + 64 * a, m0);
   }
-  // kNormalize: the key sum's end (the owners' columns of z, their own writes; kSplitRows: the
-  // forward's each group its half, dq's the first group's)
+  // kNormalize: the key sum's end (the owners' columns of z, each warp's own: the warp's lanes
+  // q4 = 0 wrote them last where the chunk sums came from the tensor cores, hence its sync;
+  // kSplitRows: the forward's each group its half, dq's the first group's)
   if constexpr (kNormalize && P == Pass::Forward) {
+    __syncwarp();
     if ((kSplitRows || group == 0) && work.col_tile == 0) {
       if (end.key_sum != nullptr) keys.store(end.key_sum + row0, Da - row0);
       // (the segment's end kept beside its state's for the one-pass backward: segment_key_sum_ends)
