@@ -248,22 +248,14 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
 #undef FCA_WGMMA_D32
 #undef FCA_WGMMA_D32_LIST
 // d (64 x 8 float32: warp w rows 16 w + g (+8), columns 2 q (+1): d[0], d[1] row g, d[2], d[3]
-// row g + 8) += A B^T, A from registers as mma_rs's, B (8 x 16) K-major from shared memory
-template <bool kHalf>
+// row g + 8) += A B^T, bfloat16, A from registers as mma_rs's, B (8 x 16) K-major from shared
+// memory (the n8 products of bfloat16's normalizer sums: rows_of_ones)
 __device__ __forceinline__ void mma_rs_n8(float (&d)[4], const uint32_t (&a)[4], uint64_t b, bool accumulate) {
-  if constexpr (kHalf) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
-  }
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate ? 1 : 0));
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
@@ -912,71 +904,45 @@ template <bool kReverse>
 __device__ __forceinline__ void exact_row_sums(float (&exact)[2], const float (&score)[32]) {
   with_warp_rank([&](auto rank) { exact_row_sums_of<kReverse, decltype(rank)::value>(exact, score); });
 }
-// d (64 x 8 float32, mma_rs_n8's layout) += A B^T, both from shared memory, A MN-major (a staged
-// tile with K along its rows: B^T of the state's update), B K-major
-template <bool kHalf>
-__device__ __forceinline__ void mma_ss_n8_mn_a(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
-  if constexpr (kHalf) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
-  }
-}
-// The same with A K-major (a staged tile with K along its columns: A of the scores)
-template <bool kHalf>
+// d (64 x 8 float32, mma_rs_n8's layout) += A B^T, bfloat16, both from shared memory, B K-major,
+// A K-major (kTransA 0: a staged tile with K along its columns, A of the scores) or MN-major (1:
+// K along its rows, B^T of the state's update)
+template <int kTransA>
 __device__ __forceinline__ void mma_ss_n8(float (&d)[4], uint64_t a, uint64_t b, bool accumulate) {
-  if constexpr (kHalf) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, 0, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
-  }
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, p, 1, 1, %7, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransA));
 }
-// d = A z for a staged tile A (one atom, K-major) and z's 16-bit copy (KeySums::publish_copy: its
+// d = A z for a staged tile A (one atom, K-major) and z's bfloat16 copy (KeySums::publish_copy: its
 // two parts, 1 KB apart, z in row 0 of each), the remainder first: column 0 (lane q4 = 0's d[0],
-// row g, and d[2], row g + 8) holds q . z 2^-shift, the other columns nothing of use
-template <bool kHalf>
+// row g, and d[2], row g + 8) holds q . z, the other columns nothing of use
 __device__ __forceinline__ void times_key_copy(float (&d)[4], uint32_t a_tile, uint32_t copy_tile) {
 #pragma unroll
   for (int part = 1; part >= 0; --part)
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      mma_ss_n8<kHalf>(d, k_along_columns(a_tile, s), k_along_columns(copy_tile + 1024 * part, s), part == 0 || s > 0);
+      mma_ss_n8<0>(d, k_along_columns(a_tile, s), k_along_columns(copy_tile + 1024 * part, s), part == 0 || s > 0);
     }
 }
 // d[a] = B^T 1 for each atom a of the staged tile at b_tile: the chunk's sums of B's columns 64 a
 // + 16 w + g (d[a][0]) and + 8 (d[a][2]), on the tensor cores (four m64n8k16 products an atom,
-// in the caller's committed group; KeySums::add_column_sums takes them in)
-template <bool kHalf, int kAtoms>
+// in the caller's committed group; KeySums::add_column_sums takes them in; bfloat16)
+template <int kAtoms>
 __device__ __forceinline__ void column_sums_of_ones(float (&d)[kAtoms][4], uint32_t b_tile, uint32_t ones_tile) {
 #pragma unroll
   for (int a = 0; a < kAtoms; ++a)
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_ss_n8_mn_a<kHalf>(d[a], k_along_rows(b_tile, s, a * kTile), descriptor(ones_tile), s > 0);
+    for (int s = 0; s < 4; ++s) mma_ss_n8<1>(d[a], k_along_rows(b_tile, s, a * kTile), descriptor(ones_tile), s > 0);
 }
 // d = P 1 (P's fragments, masked_fragments): each row's sum of P as rounded to 16 bits, on the
 // tensor cores (four m64n8k16 products with the ones tile, in the caller's committed group); row
 // g's in d[0] (and d[1]), row g + 8's in d[2]. What normalizer_sums_of's rounded sums took on the
-// CUDA cores: 32 conversions, 32 adds and 6 shuffles a thread and chunk.
-template <bool kHalf>
+// CUDA cores: 32 conversions, 32 adds and 6 shuffles a thread and chunk (bfloat16).
 __device__ __forceinline__ void rows_of_ones(float (&d)[4], const uint32_t (&a)[4][4], uint32_t ones_tile) {
 #pragma unroll
-  for (int s = 0; s < 4; ++s) mma_rs_n8<kHalf>(d, a[s], descriptor(ones_tile), s > 0);
+  for (int s = 0; s < 4; ++s) mma_rs_n8(d, a[s], descriptor(ones_tile), s > 0);
 }
 // d += P X for P's fragments (masked_fragments; the caller fences after writing them), X a staged
 // tile, MN-major: K along its rows.
@@ -1897,7 +1863,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
           }
           fence();
           add_fragments_times<kHalf>(to, masked, c_tile);
-          if constexpr (kOnesRows) rows_of_ones<kHalf>(rounded_sums, masked, ones_tile);
+          if constexpr (kOnesRows) rows_of_ones(rounded_sums, masked, ones_tile);
           commit();
         } else {
           add_masked_times<kHalf, kReverse>(to, score, c_tile);
@@ -1929,7 +1895,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         scores_of<kHalf, kStateAtoms>(score, at, bt);  // A B^T (kSplitRows: over this group's half)
         // (kKeySumsOnOnes) this chunk's sums of k, z's next update, on the tensor cores with the scores
         // (key_columns, taken into z by add_masked once the scores are waited for)
-        if constexpr (kKeySumsOnOnes) column_sums_of_ones<kHalf, kStateAtoms>(key_columns, bt, ones_tile);
+        if constexpr (kKeySumsOnOnes) column_sums_of_ones<kStateAtoms>(key_columns, bt, ones_tile);
         commit();
         // (kKeyDotsOnOnes) z's copy for this chunk's q . z, seen by the tensor cores after the state
         // copy's fence and barrier below
@@ -1973,7 +1939,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         } else {
           fence();
           times_state_copy<kHalf, 1, kStateAtoms>(out, at, copy.at);  // A S
-          if constexpr (kKeyDotsOnOnes) times_key_copy<kHalf>(key_copy_dots, at, key_copy_tile);  // q . z
+          if constexpr (kKeyDotsOnOnes) times_key_copy(key_copy_dots, at, key_copy_tile);  // q . z
           commit();
           if constexpr (kStateBehindOutputs) {  // P Cc behind A S, the state's update behind P Cc
             wait<1>();  // the scores; A S may still run
