@@ -847,6 +847,17 @@ __device__ __forceinline__ void masked_fragments(uint32_t (&a)[4][4], const floa
   with_warp_rank(
       [&](auto rank) { masked_fragments_of<kHalf, kReverse, decltype(rank)::value, kStrict>(a, score, complement); });
 }
+// exact[h] += the lane's masked float32 scores of its row g + 8 h (the normalizer's exact sums, before
+// the quad's shuffles)
+template <bool kReverse, int kWarpRank>
+__device__ __forceinline__ void add_kept_scores(float (&exact)[2], const float (&score)[32]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      if (kept_by_mask<kReverse, kWarpRank>(j, e)) exact[e / 2] += score[4 * j + e];
+    }
+}
 // The normalizer's row sums of this lane's two rows (16 warp + g, + 8), each added across the
 // quad: of the masked float32 scores (exact: the den the backward reads), and of P as rounded to
 // 16 bits (masked_fragments: the values P Cc multiplies; fragment register r holds row g + 8 (r %
@@ -857,12 +868,7 @@ template <bool kHalf, bool kReverse, int kWarpRank>
 __device__ __forceinline__ void normalizer_sums_of(float (&exact)[2], float (&rounded)[2], const float (&score)[32],
                                                    const uint32_t (&a)[4][4]) {
   exact[0] = exact[1] = rounded[0] = rounded[1] = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (kept_by_mask<kReverse, kWarpRank>(j, e)) exact[e / 2] += score[4 * j + e];
-    }
+  add_kept_scores<kReverse, kWarpRank>(exact, score);
 #pragma unroll
   for (int s = 0; s < 4; ++s)
 #pragma unroll
@@ -889,12 +895,7 @@ __device__ __forceinline__ void normalizer_sums(float (&exact)[2], float (&round
 template <bool kReverse, int kWarpRank>
 __device__ __forceinline__ void exact_row_sums_of(float (&exact)[2], const float (&score)[32]) {
   exact[0] = exact[1] = 0.f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (kept_by_mask<kReverse, kWarpRank>(j, e)) exact[e / 2] += score[4 * j + e];
-    }
+  add_kept_scores<kReverse, kWarpRank>(exact, score);
 #pragma unroll
   for (int h = 0; h < 2; ++h)
 #pragma unroll
