@@ -136,8 +136,9 @@ struct KernelParams : BackwardParams {
   void* end_vector = nullptr;          // like start_vector
   const void* out_bias = nullptr;      // [B * H, Dc], added to every output row (grad k, no normalize)
   // float16 under normalize, the reverse passes (dk, dv) on the tensor cores (the wgmma kernels,
-  // and the mma.sync kernels through Operands::take_den_unit): the rows they divide by den (q / den, dv's dO / den: about 1 / |key sum|, below float16's smallest normal
-  // 6.1e-5 once den is large) are taken times den_unit[0], a power of two (make_den_unit in
+  // and the mma.sync kernels through Operands::take_den_unit): the rows they divide by den (q /
+  // den, dv's dO / den: about 1 / |key sum|, below float16's smallest normal 6.1e-5 once den is
+  // large) are taken times den_unit[0], a power of two (make_den_unit in
   // causal_attn_cuda.cu: 2^floor(log2(max |den| / 256)), at least 1), and everything the passes
   // sum from them (their states, dk's extra row, their outputs) is in that unit: the outputs are
   // stored times den_unit[1] = 1 / den_unit[0], and the states given to and taken from the passes
@@ -162,11 +163,15 @@ inline at::TensorOptions float_options() {
 // gradient, and dk's extra row's, [pairs, Dc]) divided by `scale` and, under
 // KernelParams::den_unit, times the unit, the end (the initial state's gradient) times `scale`
 // and 1 / unit after the launch (finish). launch_wgmma's kernels sum without the scale; the
-// mma.sync kernels with it (scale 1). The converted starts live as long as this.
+// mma.sync kernels with it (scale 1). reverse: a reverse pass that runs (not a dry run); any
+// other pass converts nothing and takes no unit (p.den_unit cleared: the forward's and dq's
+// outputs are not in it). The converted starts live as long as this.
 class ReverseStates {
  public:
-  ReverseStates(KernelParams& p, int64_t Da, int64_t Dc, double scale)
-      : scale_(scale), den_unit_(p.den_unit), state_numel_(p.num_seqs * p.H * Da * Dc), vector_numel_(p.num_seqs * p.H * Dc) {
+  ReverseStates(KernelParams& p, bool reverse, int64_t Da, int64_t Dc, double scale)
+      : scale_(reverse ? scale : 1.0), den_unit_(reverse ? p.den_unit : nullptr),
+        state_numel_(p.num_seqs * p.H * Da * Dc), vector_numel_(p.num_seqs * p.H * Dc) {
+    p.den_unit = den_unit_;
     if (!converts()) return;
     p.start_state = into_pass(p.start_state, state_numel_, start_);
     p.start_vector = into_pass(p.start_vector, vector_numel_, start_vector_);
@@ -184,8 +189,8 @@ class ReverseStates {
   const void* into_pass(const void* given, int64_t numel, at::Tensor& converted) const {
     if (given == nullptr) return given;
     converted = at::from_blob(const_cast<void*>(given), {numel}, float_options());
-    converted = scale_ != 1.0 ? converted.div(scale_) : converted.clone();
-    if (den_unit_ != nullptr) converted.mul_(unit(0));
+    if (scale_ != 1.0) converted = converted.div(scale_);
+    if (den_unit_ != nullptr) converted = converted.mul(unit(0));
     return converted.data_ptr();
   }
   void out_of_pass(void* end, int64_t numel) const {

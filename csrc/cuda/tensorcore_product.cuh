@@ -1250,8 +1250,7 @@ ForwardSegments run_tensorcore_blocks(const KernelParams& p, int64_t Da, int64_t
 template <Pass P, typename scalar_t>
 ForwardSegments run_tensorcore(const KernelParams& params, int64_t Da, int64_t Dc, cudaStream_t stream) {
   KernelParams p = params;
-  if (sizeof(scalar_t) != 2 || !PassTraits<P>::kReverse || !p.normalize || p.dry_run) p.den_unit = nullptr;
-  const ReverseStates states(p, Da, Dc, 1.0);
+  const ReverseStates states(p, PassTraits<P>::kReverse && !p.dry_run, Da, Dc, 1.0);
   const ForwardSegments kept = run_tensorcore_blocks<P, scalar_t>(p, Da, Dc, stream);
   states.finish(p);
   return kept;

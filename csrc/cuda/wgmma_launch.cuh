@@ -676,8 +676,7 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // forward's KeySums, dk with dv's extra row)
   if (!p.normalize) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
   p.out_bias = nullptr;
-  if (!PassTraits<P>::kReverse || p.dry_run) p.den_unit = nullptr;  // (the forward's and dq's take none)
-  const ReverseStates states(p, Da, Dc, PassTraits<P>::kReverse && !p.dry_run ? p.scale : 1.0);
+  const ReverseStates states(p, PassTraits<P>::kReverse && !p.dry_run, Da, Dc, p.scale);
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
   states.finish(p);
   if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
