@@ -208,9 +208,9 @@ __global__ void den_unit_kernel(const float* den, int64_t n, unsigned* scratch) 
 // KernelParams::den_unit for p (float16 under normalize; nullptr otherwise): four words, zeroed,
 // then den_unit_kernel over den's B H L values (float32, contiguous).
 at::Tensor make_den_unit(KernelParams& p, cudaStream_t stream) {
-  if (!p.normalize || p.dtype != at::kHalf || p.L == 0 || p.B * p.H == 0) return at::Tensor();
-  at::Tensor scratch = at::zeros({4}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
   const int64_t n = p.B * p.H * p.L;
+  if (!p.normalize || p.dtype != at::kHalf || n == 0) return at::Tensor();
+  at::Tensor scratch = at::zeros({4}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 2 * multiprocessor_count());
   den_unit_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(static_cast<const float*>(p.den), n,

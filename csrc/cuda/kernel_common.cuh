@@ -148,9 +148,11 @@ struct KernelParams : BackwardParams {
   bool has_state_io() const { return start_state || start_vector || end_state || end_vector || out_bias; }
 };
 
-// KernelParams::den_unit's unit (which = 0) or its inverse (which = 1); 1 without one.
+// KernelParams::den_unit's unit (which = 0) or its inverse (which = 1); 1 without one, and in a
+// kernel instance that never takes one (kTakes: float16 under normalize, where it divides by den).
+template <bool kTakes>
 __device__ __forceinline__ float den_unit_of(const KernelParams& p, int which) {
-  return p.den_unit != nullptr ? p.den_unit[which] : 1.f;
+  return kTakes && p.den_unit != nullptr ? p.den_unit[which] : 1.f;
 }
 
 // float32 tensors on the current device: the converted states (ReverseStates), den's division and

@@ -1606,7 +1606,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       // is one tile where B is kAtoms (dv dividing B's four atoms at bf16 4,16,2048,256 took 0.301
       // ms where dk took 0.215; H100, RESULTS.md, fifty-sixth session)
       // (float16: the quotients in KernelParams::den_unit's unit, read once here)
-      const float unit = kHalf && kDividesCc ? den_unit_of(p, 0) : 1.f;
+      const float unit = den_unit_of<kHalf && kDividesCc>(p, 0);
       auto divide_cc = [&](int64_t it, int slot) {
         if constexpr (kDividesCc) {
           named_sync(kLandedBarrier, kThreads);
@@ -1755,7 +1755,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 
   // Each output times the pass's constant factor (see the file's comment; the reverse passes'
   // under normalize in float16 also times 1 / KernelParams::den_unit, the unit of their sums).
-  const float factor = float(p.scale) * (kHalf && kNormalize && kReverse ? den_unit_of(p, 1) : 1.f);
+  const float factor = float(p.scale) * den_unit_of<kHalf && kNormalize && kReverse>(p, 1);
   if (state_only) {  // the segment's own B^T Cc alone (no summing walk before)
     sum_own_chunks();
   } else {
@@ -2225,7 +2225,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
     // whose den another copied). Read from global memory, den cost each chunk's announcement a
     // read's latency, which the sums' walks (a product a chunk) could not hide. (float16: the
     // quotients in KernelParams::den_unit's unit, read once here.)
-    const float unit = kHalf && kNormalize ? den_unit_of(p, 0) : 1.f;
+    const float unit = den_unit_of<kHalf && kNormalize>(p, 0);
     auto divide_q = [&](uint32_t tile, int slot, int64_t t0) {
       if constexpr (kNormalize) {
         named_sync(kLanded, kThreads);
@@ -2509,7 +2509,7 @@ __global__ void __launch_bounds__((kWithDq ? 3 : 2) * wgmma::kThreads, 1)
 
   // dk's and dv's factor: the scale, and under normalize in float16 1 / KernelParams::den_unit
   // (the unit of the divided q and of everything summed from it)
-  const float factor = float(p.scale) * (kHalf && kNormalize ? den_unit_of(p, 1) : 1.f);
+  const float factor = float(p.scale) * den_unit_of<kHalf && kNormalize>(p, 1);
   PassRing ring(kFull, kBlockThreads);
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
     fence_shared_writes();  // the state's copy, made at the end of the chunk before
@@ -2660,7 +2660,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
   // (kNormalize) once chunk it is in (in `slot`, q's two atoms at q_tile): group 0 divides the q
   // rows it staged by their den (divide_rows; float16's in KernelParams::den_unit's unit), and a
   // second barrier shows them to every wgmma
-  const float unit = kHalf && kNormalize ? den_unit_of(p, 0) : 1.f;
+  const float unit = den_unit_of<kHalf && kNormalize>(p, 0);
   auto divide_q = [&](int64_t it, int slot, uint32_t q_tile) {
     if constexpr (kNormalize) {
       if (group == 0) {
@@ -2723,7 +2723,7 @@ __global__ void __launch_bounds__(2 * wgmma::kThreads, 1)
 
   // dk's and dv's factor: the scale, and under normalize in float16 1 / KernelParams::den_unit
   // (the unit of the divided q and of everything summed from it)
-  const float factor = float(p.scale) * (kHalf && kNormalize ? den_unit_of(p, 1) : 1.f);
+  const float factor = float(p.scale) * den_unit_of<kHalf && kNormalize>(p, 1);
   for (int i = 0; i < kDepth - 1; ++i) issue(i, i);
   StageRing<kDepth> ring;
   for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
