@@ -182,19 +182,33 @@ void launch_backward_prepare(const KernelParams& p, cudaStream_t stream) {
 // as unsigned integers; non-finite values are left out), and the last block to finish
 // (scratch[1] counts them) writes unit and 1 / unit to scratch[2], scratch[3]: the kernels and
 // launch_wgmma read them there.
-__global__ void den_unit_kernel(const float* den, int64_t n, unsigned* scratch) {
+constexpr int kDenUnitThreads = 256;
+__global__ void __launch_bounds__(kDenUnitThreads) den_unit_kernel(const float* den, int64_t n, unsigned* scratch) {
   float largest = 0.f;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
-    const float x = fabsf(den[i]);
+  auto take = [&](float x) {
+    x = fabsf(x);
     if (x <= FLT_MAX) largest = fmaxf(largest, x);
+  };
+  const int64_t first = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  // 16 bytes a load where den starts on a 16-byte boundary (the forward's den, a fresh tensor, does;
+  // 4 bytes a load and an atomic a warp took 5.0 us over 1 MB at 8,16,2048: RESULTS.md,
+  // sixty-ninth session)
+  const bool vectors = reinterpret_cast<uintptr_t>(den) % 16 == 0;
+  const int64_t head = vectors ? n / 4 : 0;
+  for (int64_t i = first; i < head; i += stride) {
+    const float4 x = reinterpret_cast<const float4*>(den)[i];
+    take(x.x), take(x.y), take(x.z), take(x.w);
   }
+  for (int64_t i = 4 * head + first; i < n; i += stride) take(den[i]);
+  // the block's largest, then one atomic a block on the one address
+  __shared__ float warp_largest[kDenUnitThreads / kWarp];
   for (int offset = kWarp / 2; offset > 0; offset /= 2) largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
-  if (threadIdx.x % kWarp == 0) {
-    atomicMax(&scratch[0], __float_as_uint(largest));
-    __threadfence();  // seen by the last block before this block counts itself
-  }
+  if (threadIdx.x % kWarp == 0) warp_largest[threadIdx.x / kWarp] = largest;
   __syncthreads();
   if (threadIdx.x != 0) return;
+  for (int w = 1; w < kDenUnitThreads / kWarp; ++w) largest = fmaxf(largest, warp_largest[w]);
+  atomicMax(&scratch[0], __float_as_uint(largest));
+  __threadfence();  // seen by the last block before this block counts itself
   if (atomicAdd(&scratch[1], 1u) != gridDim.x - 1) return;  // not the last block
   __threadfence();
   const float x = __uint_as_float(atomicMax(&scratch[0], 0u)) / 256.f;
@@ -211,9 +225,10 @@ at::Tensor make_den_unit(KernelParams& p, cudaStream_t stream) {
   const int64_t n = p.B * p.H * p.L;
   if (!p.normalize || p.dtype != at::kHalf || n == 0) return at::Tensor();
   at::Tensor scratch = at::zeros({4}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA));
-  constexpr int kThreads = 256;
-  const int64_t blocks = std::min<int64_t>((n + kThreads - 1) / kThreads, 2 * multiprocessor_count());
-  den_unit_kernel<<<unsigned(blocks), kThreads, 0, stream>>>(static_cast<const float*>(p.den), n,
+  // (a float4 a thread, at most four blocks a multiprocessor)
+  const int64_t per_block = 4 * kDenUnitThreads;
+  const int64_t blocks = std::min<int64_t>((n + per_block - 1) / per_block, 4 * multiprocessor_count());
+  den_unit_kernel<<<unsigned(blocks), kDenUnitThreads, 0, stream>>>(static_cast<const float*>(p.den), n,
                                                            reinterpret_cast<unsigned*>(scratch.data_ptr<int>()));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   p.den_unit = reinterpret_cast<const float*>(scratch.data_ptr<int>()) + 2;
