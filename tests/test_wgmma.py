@@ -588,14 +588,15 @@ def test_unaligned_rows_take_the_wgmma_kernels(dtype):
 @on_the_wgmma_kernels
 def test_forward_segments_fill_two_blocks_a_multiprocessor_where_long(monkeypatch):
     """The wgmma forward at E, M <= 64 fits two blocks a multiprocessor: where filling the
-    multiprocessors once takes segments (half as many pairs as multiprocessors: 2), it takes twice
-    as many while each holds 8 chunks or more (4096 steps: 4 of 16 chunks), and no more than one
-    wave's where they would be shorter (1024 steps: 2 of 8 chunks); the result is right either way.
-    (Its segments' starts are kept for the two-pass backward: the one pass, which keeps only the
-    end, is off here.)"""
+    multiprocessors once takes 4 segments or more (a quarter as many pairs as multiprocessors), it
+    takes twice as many while each holds 8 chunks or more (4096 steps: 8 of 8 chunks), and no more
+    than one wave's where they would be shorter (1024 steps: 4 of 4 chunks); where one wave takes
+    2 (half as many pairs), 2 (the doubling's reread would cost more than it gains: wgmma_segments).
+    The result is right either way. (The count of the segments' starts, kept for the two-pass
+    backward: the one pass, which keeps their ends, is off here.)"""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_PASS_BACKWARD", "0")
-    pairs = torch.cuda.get_device_properties(0).multi_processor_count // 2
-    for L, expected in ((4096, 4), (1024, 2)):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for pairs, L, expected in ((sms // 4, 4096, 8), (sms // 4, 1024, 4), (sms // 2, 4096, 2)):
         q, k, v = make_inputs(1, pairs, L, 64, 64, dtype=torch.bfloat16, device="cuda")
         results = keeping_forward(q, k, v)
         assert results[4].shape[1] == expected, (L, results[4].shape)

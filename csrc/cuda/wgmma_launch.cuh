@@ -153,12 +153,20 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // at 4,16,8192,64 0.185 ms in 2 segments, 0.199 in 4 (H200, RESULTS.md, eighteenth session, call
 // 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
+// Doubling rereads more: every segment but the last sums its own k and v before its pass reads
+// them again, 2 (S - 1) / S tensors beside the pass's 4, so it doubles only from 4 segments on
+// (2 -> 4 adds 10% to the bytes; 4 -> 8 5%, 16 -> 32 1%): at 4,16,8192,64 (64 pairs, 2 segments
+// a wave) bf16 forward kernels 0.1323 ms in 4 segments, 0.1225 in 2, fp16 0.1330 and 0.1249
+// (H100, RESULTS.md, sixty-first session); fwd+bwd there, the one pass in the forward's segments,
+// 0.331 ms of GPU time in 2 against 0.352 in 4 bf16, 0.336 and 0.358 fp16 (H100, seventy-first
+// session); 1,8,16384,64 keeps 32 (0.0425 against 0.0489 in 16).
+constexpr int64_t kMinSegmentsToDouble = 4;
 inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
   using wgmma::C;
   if (p.cu_seqlens != nullptr) return 1;
   const int64_t sms = multiprocessor_count();
   int64_t segments = choose_segments(blocks, sms / blocks * blocks, p.L, kMinChunksPerSegment * C);
-  if (segments > 1 && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
+  if (segments >= kMinSegmentsToDouble && 2 * (smem + 1024) <= 228 * 1024) {  // 1 KB a block the hardware reserves
     segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
   }
   return segments;
