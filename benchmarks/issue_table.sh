@@ -19,8 +19,12 @@
 #
 # Peers: third_party/fla (flash-linear-attention's fla/ at bc3b101), third_party/einops (einops'
 # einops/), third_party/fast_transformers/causal_product_{cpu.cpp,cuda.cu}; `git archive` of each
-# repository's commit (never committed here). Carry third_party/fla, third_party/einops,
-# third_party/fast_transformers and the cache parts.
+# repository's commit (never committed here), e.g. from a clone or mirror of each:
+#   git --git-dir=FLA/.git archive bc3b101 fla | tar x -C third_party
+#   git --git-dir=EINOPS/.git archive HEAD einops | tar x -C third_party
+#   git --git-dir=FT/.git archive 2ad36b9 fast_transformers/causal_product | tar x -C /tmp &&
+#     mkdir -p third_party/fast_transformers && cp /tmp/fast_transformers/causal_product/*.c* third_party/fast_transformers/
+# Carry third_party/fla, third_party/einops, third_party/fast_transformers and the cache parts.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/fast_causal_attn_out}
