@@ -191,8 +191,10 @@ class ReverseStates {
   const void* into_pass(const void* given, int64_t numel, at::Tensor& converted) const {
     if (given == nullptr) return given;
     converted = at::from_blob(const_cast<void*>(given), {numel}, float_options());
+    // the first conversion makes the pass's own copy (the caller's start is never written); a
+    // second works on that copy in place
     if (scale_ != 1.0) converted = converted.div(scale_);
-    if (den_unit_ != nullptr) converted = converted.mul(unit(0));
+    if (den_unit_ != nullptr) converted = scale_ != 1.0 ? converted.mul_(unit(0)) : converted.mul(unit(0));
     return converted.data_ptr();
   }
   void out_of_pass(void* end, int64_t numel) const {
