@@ -1,0 +1,102 @@
+"""Does the forward gain from running a long sequence in time bands whose k and v fit the L2?
+
+At E = M = 128 with few (sequence, head) pairs (1,16,32768,128) the forward runs in three launches:
+the state-only blocks read k and v of every segment but the last for its sum, a scan, then the
+pass reads q, k and v: 4 + 2 (S - 1) / S tensors, 1.43x the floor's bytes at S = 7. If the pass
+found the state-only launch's k and v in the L2 it would read only q from HBM. The sequence cut
+into R bands, each run (all three launches) from the band before's final state, keeps one band's
+k and v (268 MB / R at 1,16,32768,128 bf16) between its state-only launch and its pass; this
+measures that through the public API (initial_state, return_final_state), before any kernel is
+written for it. Per R: the GPU's time of the forward and of forward+backward (CUDA graph replay;
+autograd runs the bands' backward passes from the last band back, each from the gradient of the
+band after it), the kernels' summed durations by name, and the bands' output against the whole
+call's. (The bands' outputs stay separate tensors, as one kernel of this design would write one.)
+
+    python benchmarks/banded_probe.py [--shapes "1,16,32768,128,128;4,16,8192,128,128"] [--bands 1,2,4,8,16]
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchmark import graph_ms, kernel_breakdown  # noqa: E402
+
+import fast_causal_attn  # noqa: E402
+
+
+def banded_forward(q, k, v, bands):
+    """The forward of [B, H, L, *] inputs in `bands` equal time bands, each from the one before's
+    final state: the bands' outputs, a list."""
+    L = q.shape[2]
+    edges = [L * i // bands for i in range(bands + 1)]
+    outs, state = [], None
+    for i in range(bands):
+        piece = slice(edges[i], edges[i + 1])
+        last = i == bands - 1
+        result = fast_causal_attn.causal_linear_attention(q[:, :, piece], k[:, :, piece], v[:, :, piece],
+                                                          initial_state=state, return_final_state=not last)
+        if last:
+            outs.append(result)
+        else:
+            out, state = result
+            outs.append(out)
+    return outs
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", default="1,16,32768,128,128;4,16,8192,128,128;1,16,32768,64,64")
+    parser.add_argument("--bands", default="1,2,4,8,16")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    copy_gbs = None
+    for shape in args.shapes.split(";"):
+        B, H, L, E, M = (int(x) for x in shape.split(","))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = (torch.randn(B, H, L, E, device="cuda", generator=gen) / E ** 0.5).to(dtype)
+        k = (torch.randn(B, H, L, E, device="cuda", generator=gen) / E ** 0.5).to(dtype)
+        v = torch.randn(B, H, L, M, device="cuda", generator=gen).to(dtype)
+        if copy_gbs is None:  # the copy bandwidth of this run (METHOD.md): 1 GiB read + written
+            import triton.testing
+            a = torch.empty(2 ** 28, device="cuda")
+            b = torch.empty_like(a)
+            copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
+            copy_gbs = 2 * a.numel() * 4 / copy_ms / 1e6
+            print(f"copy bandwidth {copy_gbs:.0f} GB/s")
+            del a, b
+        # the floors' bytes: the forward reads q, k, v and writes o; the backward reads q, k, v, dO
+        # and writes dq, dk, dv
+        floor_ms = {"fwd": (q.numel() + k.numel() + 2 * v.numel()) * q.element_size() / copy_gbs / 1e6,
+                    "fwd+bwd": (3 * q.numel() + 3 * k.numel() + 5 * v.numel()) * q.element_size() / copy_gbs / 1e6}
+        dout = torch.randn_like(v)
+        with torch.no_grad():
+            whole = fast_causal_attn.causal_linear_attention(q, k, v).float()
+        print(f"\n== {shape} {args.dtype}: floor {floor_ms['fwd']:.4f} / {floor_ms['fwd+bwd']:.4f} ms", flush=True)
+        leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+        for bands in (int(x) for x in args.bands.split(",")):
+            with torch.no_grad():
+                diff = (torch.cat(banded_forward(q, k, v, bands), dim=2).float() - whole).norm() / whole.norm()
+            print(f"bands {bands:2d}: vs the whole call {diff.item():.1e}", flush=True)
+            douts = dout.split([part.shape[2] for part in banded_forward(q, k, v, bands)], dim=2)
+
+            def forward():
+                with torch.no_grad():
+                    return banded_forward(q, k, v, bands)
+
+            def forward_backward():  # (autograd runs the bands' backward from the last band back)
+                return torch.autograd.grad(banded_forward(*leaves, bands), leaves, douts)
+
+            for what, fn in (("fwd", forward), ("fwd+bwd", forward_backward)):
+                gpu = graph_ms(fn)
+                busy, parts = kernel_breakdown(fn)
+                print(f"  {what:7}: graph {gpu:.4f} ms ({gpu / floor_ms[what]:.2f}x floor), kernels {busy:.4f} ms",
+                      flush=True)
+                for ms, count, name in parts[:7]:
+                    print(f"    {ms:.4f} ms  x{count:g}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    main()
