@@ -21,22 +21,23 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchmark import graph_ms, kernel_breakdown  # noqa: E402
+from benchmark import copy_bandwidth, floor_bytes, graph_ms, kernel_breakdown, make_case  # noqa: E402
 
 import fast_causal_attn  # noqa: E402
 
 
+def band_lengths(L, bands):
+    """The lengths of `bands` time bands of L steps, as equal as whole steps make them."""
+    return [L * (i + 1) // bands - L * i // bands for i in range(bands)]
+
+
 def banded_forward(q, k, v, bands):
-    """The forward of [B, H, L, *] inputs in `bands` equal time bands, each from the one before's
-    final state: the bands' outputs, a list."""
-    L = q.shape[2]
-    edges = [L * i // bands for i in range(bands + 1)]
+    """The forward of [B, H, L, *] inputs in `bands` time bands (band_lengths), each from the one
+    before's final state: the bands' outputs, a list."""
     outs, state = [], None
-    for i in range(bands):
-        piece = slice(edges[i], edges[i + 1])
+    for i, (qb, kb, vb) in enumerate(zip(*(x.split(band_lengths(q.shape[2], bands), dim=2) for x in (q, k, v)))):
         last = i == bands - 1
-        result = fast_causal_attn.causal_linear_attention(q[:, :, piece], k[:, :, piece], v[:, :, piece],
-                                                          initial_state=state, return_final_state=not last)
+        result = fast_causal_attn.causal_linear_attention(qb, kb, vb, initial_state=state, return_final_state=not last)
         if last:
             outs.append(result)
         else:
@@ -52,35 +53,23 @@ def main():
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
-    copy_gbs = None
+    bandwidth = copy_bandwidth("cuda")  # bytes a second, measured in this run (METHOD.md)
+    print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
     for shape in args.shapes.split(";"):
-        B, H, L, E, M = (int(x) for x in shape.split(","))
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        q = (torch.randn(B, H, L, E, device="cuda", generator=gen) / E ** 0.5).to(dtype)
-        k = (torch.randn(B, H, L, E, device="cuda", generator=gen) / E ** 0.5).to(dtype)
-        v = torch.randn(B, H, L, M, device="cuda", generator=gen).to(dtype)
-        if copy_gbs is None:  # the copy bandwidth of this run (METHOD.md): 1 GiB read + written
-            import triton.testing
-            a = torch.empty(2 ** 28, device="cuda")
-            b = torch.empty_like(a)
-            copy_ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=25, rep=100, return_mode="median")
-            copy_gbs = 2 * a.numel() * 4 / copy_ms / 1e6
-            print(f"copy bandwidth {copy_gbs:.0f} GB/s")
-            del a, b
-        # the floors' bytes: the forward reads q, k, v and writes o; the backward reads q, k, v, dO
-        # and writes dq, dk, dv
-        floor_ms = {"fwd": (q.numel() + k.numel() + 2 * v.numel()) * q.element_size() / copy_gbs / 1e6,
-                    "fwd+bwd": (3 * q.numel() + 3 * k.numel() + 5 * v.numel()) * q.element_size() / copy_gbs / 1e6}
-        dout = torch.randn_like(v)
+        shape = tuple(int(x) for x in shape.split(","))
+        q, k, v, dout = make_case(*shape, dtype, "cuda")
+        fwd_bytes, bwd_bytes = floor_bytes(*shape, q.element_size())
+        floor_ms = {"fwd": fwd_bytes / bandwidth * 1e3, "fwd+bwd": (fwd_bytes + bwd_bytes) / bandwidth * 1e3}
         with torch.no_grad():
             whole = fast_causal_attn.causal_linear_attention(q, k, v).float()
-        print(f"\n== {shape} {args.dtype}: floor {floor_ms['fwd']:.4f} / {floor_ms['fwd+bwd']:.4f} ms", flush=True)
+        print(f"\n== {','.join(map(str, shape))} {args.dtype}: floor {floor_ms['fwd']:.4f} / "
+              f"{floor_ms['fwd+bwd']:.4f} ms", flush=True)
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
         for bands in (int(x) for x in args.bands.split(",")):
             with torch.no_grad():
                 diff = (torch.cat(banded_forward(q, k, v, bands), dim=2).float() - whole).norm() / whole.norm()
             print(f"bands {bands:2d}: vs the whole call {diff.item():.1e}", flush=True)
-            douts = dout.split([part.shape[2] for part in banded_forward(q, k, v, bands)], dim=2)
+            douts = dout.split(band_lengths(shape[2], bands), dim=2)
 
             def forward():
                 with torch.no_grad():

@@ -63,6 +63,12 @@ def copy_bandwidth(device):
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+def floor_bytes(B, H, L, E, M, item):
+    """The memory floor's bytes (forward, backward): the forward reads q, k, v and writes o; the
+    backward reads q, k, v, dO and writes dq, dk, dv."""
+    return B * H * L * (2 * E + 2 * M) * item, B * H * L * (4 * E + 4 * M - E) * item
+
+
 def make_case(B, H, L, E, M, dtype, device):
     g = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(B, H, L, E, generator=g) / E**0.5
@@ -313,9 +319,7 @@ def main():
         for shape in shapes:
             B, H, L, E, M = shape
             q, k, v, dout = make_case(*shape, dtype, device)
-            item = q.element_size()
-            fwd_bytes = B * H * L * (2 * E + 2 * M) * item
-            bwd_bytes = B * H * L * (4 * E + 4 * M - E) * item  # read q k v dO, write dq dk dv
+            fwd_bytes, bwd_bytes = floor_bytes(*shape, q.element_size())
             floor = (fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3)
             cases = dict(methods)
             if dtype == torch.float64:
