@@ -63,10 +63,11 @@ def copy_bandwidth(device):
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
-def floor_bytes(B, H, L, E, M, item):
-    """The memory floor's bytes (forward, backward): the forward reads q, k, v and writes o; the
-    backward reads q, k, v, dO and writes dq, dk, dv."""
-    return B * H * L * (2 * E + 2 * M) * item, B * H * L * (4 * E + 4 * M - E) * item
+def floor_ms(B, H, L, E, M, item, bandwidth):
+    """The memory floor in ms (forward, forward+backward) at `bandwidth` bytes a second: the forward
+    reads q, k, v and writes o; the backward reads q, k, v, dO and writes dq, dk, dv."""
+    fwd_bytes, bwd_bytes = B * H * L * (2 * E + 2 * M) * item, B * H * L * (4 * E + 4 * M - E) * item
+    return fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3
 
 
 def make_case(B, H, L, E, M, dtype, device):
@@ -319,8 +320,7 @@ def main():
         for shape in shapes:
             B, H, L, E, M = shape
             q, k, v, dout = make_case(*shape, dtype, device)
-            fwd_bytes, bwd_bytes = floor_bytes(*shape, q.element_size())
-            floor = (fwd_bytes / bandwidth * 1e3, (fwd_bytes + bwd_bytes) / bandwidth * 1e3)
+            floor = floor_ms(*shape, q.element_size(), bandwidth)
             cases = dict(methods)
             if dtype == torch.float64:
                 cases.pop("fca tensorcore", None)  # float16, bfloat16 and float32 only
