@@ -12,6 +12,10 @@ autograd runs the bands' backward passes from the last band back, each from the 
 band after it), the kernels' summed durations by name, and the bands' output against the whole
 call's. (The bands' outputs stay separate tensors, as one kernel of this design would write one.)
 
+Outcome (H100, bf16, seventy-fourth session; RESULTS.md): every R > 1 slower, the design dropped.
+At 1,16,32768,128 the forward 0.291 ms at R = 1, 0.369 at 2, 1.042 at 16: the pass's launches
+themselves grew (0.280 -> 0.317 -> 0.814 ms summed), each band's blocks running shorter segments.
+
     python benchmarks/banded_probe.py [--shapes "1,16,32768,128,128;4,16,8192,128,128"] [--bands 1,2,4,8,16]
 """
 import argparse
