@@ -59,6 +59,16 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0a} MAX_JOBS=${MAX_JOBS:-1
 [[ "$TORCH_CUDA_ARCH_LIST" == *9.0a* ]] && export FAST_CAUSAL_ATTN_EXPECT_WGMMA=1
 status=0
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# The sanitizer logs (sanitize_NAME_TOOL.log and .rc, about 120 in a whole run) as one file when
+# the script ends, under `timeout` too: a device call brings back at most 8 files (the logs were
+# lost so, RESULTS.md, seventy-fourth session). timeout sends TERM to the script's process group;
+# the TERM trap exits, which runs the EXIT trap.
+pack_sanitize_logs() {
+  (cd "$OUT" && shopt -s nullglob && logs=(sanitize_*_*.log sanitize_*.rc) && (( ${#logs[@]} > 0 )) &&
+    tar czf sanitize_logs.tgz "${logs[@]}" && rm -f "${logs[@]}" && echo "sanitizer logs: \$OUT/sanitize_logs.tgz")
+}
+trap pack_sanitize_logs EXIT
+trap 'exit 143' TERM
 # the tests' and sanitizers' outcomes, printed again at the end (a later invocation in the same
 # call that runs neither prints this one's)
 if has tests || has sanitize; then : >"$OUT/summary.txt"; fi
@@ -195,12 +205,6 @@ sanitize_stage() {
       } | tee -a "$OUT/summary.txt"
       status=$(( status | rc ))
     done
-    # the logs as one file: at most 8 files come back from a device call (a whole run writes
-    # about 120). A call the sanitizers may outlast tars them itself after the script:
-    # `timeout N bash benchmarks/gpu_check.sh; cd $OUT && tar czf sanitize_logs.tgz sanitize_*_*.*
-    # && rm sanitize_*_*.*` (RESULTS.md, seventy-fourth session, where they were lost)
-    (cd "$OUT" && compgen -G "sanitize_*.rc" >/dev/null && tar czf sanitize_logs.tgz sanitize_*_*.log sanitize_*.rc &&
-      rm -f sanitize_*_*.log sanitize_*.rc && echo "sanitizer logs: \$OUT/sanitize_logs.tgz")
   }
   # bfloat16's two-part state copy at DA = 128 (one chunk buffer, two blocks a multiprocessor)
   sanitize bf16_parts "test_bfloat16_holds_the_issue_accuracy and B1H2L2048E128M128"
