@@ -1522,21 +1522,38 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // 2,4,8192,64; RESULTS.md, thirty-second session.)
   const int64_t summed = kOneLaunch && work.segment + 1 < p.segments ? chunks : 0;
   const int64_t walked = summed + chunks;  // the ring's chunks
+  // The forward's state-only blocks (launch_segmented's first launch) sum their chunks from the
+  // last back to the first, for the same reason: the pass's launch after starts each segment on
+  // the k and v read last, the likeliest still in the L2. The sums are order-free (the consumers'
+  // sum_own_chunks; a partial last chunk staged with zeros past it). Not dq's nor at four atoms:
+  // the second staging direction there spilled the producer's registers (ptxas, sm_90a: the
+  // normalized dq at two atoms 0 -> 56 bytes), and neither runs the long-sequence shapes this is for.
+  // Measured (H100, the forward's kernels, profiler ms, two A/B runs each): bf16 1,16,32768,128
+  // 0.2783 -> 0.2757, 2,4,8192,128 0.0527 -> 0.0505; fp16 0.2835 -> 0.2773 and 0.0537 -> 0.0504;
+  // 4,16,8192,128 unchanged in bf16, -1.4% in fp16 (RESULTS.md, seventy-fifth session).
+  constexpr bool kSumsBack = P == Pass::Forward && kAtoms <= 2 && !kOneLaunch;
+  const bool sums_back = kSumsBack && state_only;
   // A (but in state-only blocks and the summing walk), B and the slot's Cc tiles of the ring's
   // chunk j into stage slot `slot`, as one group of copies (none past the last); called for j =
   // 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse and in the summing
   // walk), by the producer
-  const int64_t b_first = summed > 0 ? work.seg_begin + (chunks - 1) * C : first_step;
+  const int64_t b_first = summed > 0 || sums_back ? work.seg_begin + (chunks - 1) * C : first_step;
   Source a_src = stage.source(ops.a_rows(), first_step, Da);
   Source b_src = stage.source(ops.b_rows(), b_first, Da);
   Source c_src[kCcTiles];
 #pragma unroll
   for (int g = 0; g < kCcTiles; ++g) c_src[g] = stage.source(ops.c_rows(), b_first, Dc, work.m0 + C * g);
+  // a walk that only sums (one launch's, sums_back's): B and Cc of n steps, the sources stepping
+  // back (A is the pass's)
+  auto stage_sums_back = [&](int slot, int n) {
+    stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_src, ops.b_rows().ptr, n);
+#pragma unroll
+    for (int g = 0; g < kCcTiles; ++g) stage.operator()<true>(tile_of(slot, 2 * kAtoms + g), c_src[g], ops.c_rows().ptr, n);
+  };
   auto stage_chunk = [&](int64_t j, int slot) {
     if constexpr (kOneLaunch) {
       if (j < summed) {
-        stage.operator()<true, kAtoms>(tile_of(slot, kAtoms), b_src, ops.b_rows().ptr, C);
-        stage.operator()<true>(tile_of(slot, 2 * kAtoms), c_src[0], ops.c_rows().ptr, C);
+        stage_sums_back(slot, C);
         StageRing<kDepth>::commit_copies();
         if (j + 1 == summed) {  // the pass's sources, from its first chunk
           b_src = stage.source(ops.b_rows(), first_step, Da);
@@ -1546,6 +1563,11 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
       }
     }
     const int64_t it = j - summed;
+    if (sums_back) {
+      if (it < chunks) stage_sums_back(slot, work.chunk_len(work.seg_begin + (chunks - 1 - it) * C, C));
+      StageRing<kDepth>::commit_copies();
+      return;
+    }
     if (it < chunks) {
       const int n = work.chunk_len(chunk_begin(it), C);
       if (!state_only) stage.operator()<kReverse, kAtoms>(tile_of(slot, 0), a_src, ops.a_rows().ptr, n);
