@@ -218,10 +218,11 @@ struct BlockWork {
   }
 
   // The segment's chunks of C timesteps, walked forward (backward in reverse): chunk `it` of
-  // `chunks` starts at chunk_begin(it, ...) and holds chunk_len(t0) timesteps.
+  // `chunks` starts at chunk_begin(it, ...) and holds chunk_len(t0) timesteps. `reverse` walks
+  // them from the last whatever the pass (a walk that only sums, which is order-free).
   __device__ int64_t chunk_count(int C) const { return seg_end > seg_begin ? (seg_end - seg_begin + C - 1) / C : 0; }
-  __device__ int64_t chunk_begin(int64_t it, int64_t chunks, int C) const {
-    return seg_begin + (PassTraits<P>::kReverse ? chunks - 1 - it : it) * C;
+  __device__ int64_t chunk_begin(int64_t it, int64_t chunks, int C, bool reverse = PassTraits<P>::kReverse) const {
+    return seg_begin + (reverse ? chunks - 1 - it : it) * C;
   }
   __device__ int chunk_len(int64_t t0, int C) const { return int(seg_end - t0 < C ? seg_end - t0 : C); }
 

@@ -1537,7 +1537,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // chunk j into stage slot `slot`, as one group of copies (none past the last); called for j =
   // 0, 1, 2, ... in order (the sources step a chunk each call, back in reverse and in the summing
   // walk), by the producer
-  const int64_t b_first = summed > 0 || sums_back ? work.seg_begin + (chunks - 1) * C : first_step;
+  const int64_t b_first = summed > 0 || sums_back ? work.chunk_begin(0, chunks, C, true) : first_step;
   Source a_src = stage.source(ops.a_rows(), first_step, Da);
   Source b_src = stage.source(ops.b_rows(), b_first, Da);
   Source c_src[kCcTiles];
@@ -1564,7 +1564,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
     }
     const int64_t it = j - summed;
     if (sums_back) {
-      if (it < chunks) stage_sums_back(slot, work.chunk_len(work.seg_begin + (chunks - 1 - it) * C, C));
+      if (it < chunks) stage_sums_back(slot, work.chunk_len(work.chunk_begin(it, chunks, C, true), C));
       StageRing<kDepth>::commit_copies();
       return;
     }
