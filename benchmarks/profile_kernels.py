@@ -5,8 +5,9 @@
         8 16 2048 64 64 bwd bfloat16
 
 Arguments: B H L E M, then optionally `bwd` (forward and backward; `fwd` the forward alone), a
-dtype (float32 by default) and `normalize` (causal_linear_attention(normalize=True), on q and k
-made positive as feature maps are).
+dtype (float32 by default), then any of `normalize` (causal_linear_attention(normalize=True), on q
+and k made positive as feature maps are) and `state` (a zero initial state in, the final state
+returned: the benchmark's "fca state").
 """
 import sys
 
@@ -17,7 +18,8 @@ import fast_causal_attn
 B, H, L, E, M = (int(x) for x in sys.argv[1:6])
 backward = len(sys.argv) > 6 and sys.argv[6] == "bwd"
 dtype = getattr(torch, sys.argv[7]) if len(sys.argv) > 7 else torch.float32
-normalize = len(sys.argv) > 8 and sys.argv[8] == "normalize"
+normalize = "normalize" in sys.argv[8:]
+state = "state" in sys.argv[8:]
 q = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
 k = (torch.randn(B, H, L, E, device="cuda") / E**0.5).to(dtype)
 if normalize:
@@ -25,8 +27,15 @@ if normalize:
 q.requires_grad_(backward and normalize)
 k.requires_grad_(backward and normalize)
 v = torch.randn(B, H, L, M, device="cuda", dtype=dtype, requires_grad=backward)
-if normalize:
-    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
+initial_state = None
+if state:
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    initial_state = fast_causal_attn.State(torch.zeros(B, H, E, M, device="cuda", dtype=acc),
+                                           torch.zeros(B, H, E, device="cuda", dtype=acc))
+if normalize or state:
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=initial_state,
+                                                   return_final_state=state)
+    out = out[0] if state else out
 else:
     out = fast_causal_attn.causal_dot_product(q, k, v)
 if backward:
