@@ -103,17 +103,19 @@ def timings(fn, q, k, v, dout, device, reps):
 _zero_states = {}  # (B, H, E, M, dtype, device) -> a zero State, made once a case (not in the timed calls)
 
 
-def with_zero_state(q, k, v):
+def with_zero_state(q, k, v, normalize=False):
     """The default path with a state in and out: a zero initial state (float32, or float64 for
     float64 inputs) and the final state returned beside the output, which is returned alone (the
-    plain output; the state's gradient is None in the timed backward)."""
+    plain output, or with normalize the normalized one; the state's gradient is None in the timed
+    backward)."""
     B, H, _, E = q.shape
     key = (B, H, E, v.shape[-1], q.dtype, q.device)
     if key not in _zero_states:
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         _zero_states[key] = fast_causal_attn.State(q.new_zeros(B, H, E, v.shape[-1], dtype=acc),
                                                    q.new_zeros(B, H, E, dtype=acc))
-    out, _ = fast_causal_attn.causal_linear_attention(q, k, v, initial_state=_zero_states[key], return_final_state=True)
+    out, _ = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=_zero_states[key],
+                                                      return_final_state=True)
     return out
 
 

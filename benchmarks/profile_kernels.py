@@ -14,6 +14,7 @@ import sys
 import torch
 
 import fast_causal_attn
+from benchmark import with_zero_state
 
 B, H, L, E, M = (int(x) for x in sys.argv[1:6])
 backward = len(sys.argv) > 6 and sys.argv[6] == "bwd"
@@ -27,15 +28,10 @@ if normalize:
 q.requires_grad_(backward and normalize)
 k.requires_grad_(backward and normalize)
 v = torch.randn(B, H, L, M, device="cuda", dtype=dtype, requires_grad=backward)
-initial_state = None
 if state:
-    acc = torch.float64 if dtype == torch.float64 else torch.float32
-    initial_state = fast_causal_attn.State(torch.zeros(B, H, E, M, device="cuda", dtype=acc),
-                                           torch.zeros(B, H, E, device="cuda", dtype=acc))
-if normalize or state:
-    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=normalize, initial_state=initial_state,
-                                                   return_final_state=state)
-    out = out[0] if state else out
+    out = with_zero_state(q, k, v, normalize=normalize)
+elif normalize:
+    out = fast_causal_attn.causal_linear_attention(q, k, v, normalize=True)
 else:
     out = fast_causal_attn.causal_dot_product(q, k, v)
 if backward:
