@@ -1196,6 +1196,11 @@ def test_states_take_the_wgmma_kernels(dtype, monkeypatch):
         assert not any("tensorcore_product_kernel" in n or "chunked" in n or "recurrent" in n for n in names), names
         fused = any("wgmma_grad_kv_kernel" in n for n in names)
         assert fused == (dtype != torch.float32), names
+        # the final key sum: 16-bit, from the forward's own staged chunks (KernelParams::key_sum_end;
+        # in segments each one's sums added after the pass), float32 by a sum of its own over k
+        assert any("key_sum_slabs" in n for n in names) == (dtype == torch.float32), names
+        if dtype != torch.float32:
+            assert any("key_sum_finish" in n for n in names) == (segments == "3"), names
         # 16-bit in segments at E = M = 64: the forward and dk with dv in one launch each, from the
         # given start too (no state-only launch, no scan)
         if dtype != torch.float32 and segments == "3":
@@ -1229,6 +1234,35 @@ def test_states_on_the_wgmma_kernels(shape, layout, segments, scale, dtype, monk
                      lambda q, k, v, s: states_step(q, k, v, s, layout, scale),
                      lambda q, k, v, s, **kw: reference_with_state(q, k, v, s, scale=scale, layout=layout, **kw),
                      exact_in_float32={"final kv", "final k_sum", "grad kv0", "grad k_sum0"})
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("segments,one_launch", [("1", "0"), ("3", "0"), ("3", "1")], ids=["one", "three-launches", "one-launch"])
+@pytest.mark.parametrize("shape", [(2, 3, 300, 64, 64), (1, 2, 700, 128, 96), (1, 2, 260, 256, 64), (2, 1, 200, 40, 256),
+                                   (1, 2, 333, 24, 24)], ids=shape_id)
+def test_final_state_without_initial_state(shape, segments, one_launch, dtype, monkeypatch):
+    """The final state without an initial one and without normalize, 16-bit (a prefill's call): the
+    final k_sum the forward's kernels sum from the chunks they stage (KernelParams::key_sum_end: the
+    first group of column tile 0, float16's each group its half at E = 256; in time segments each
+    segment's sums added after the pass, in three launches or one), bfloat16's at E = 256 a sum of
+    its own over k after the pass (ProductLayout::sums_plain_keys); columns past E unwritten at
+    E = 24; k_sum and kv within 1e-5 of float64, the output as the call without a state."""
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_SEGMENTS", segments)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_ONE_LAUNCH", one_launch)
+    B, H, L, E, M = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, segments, one_launch, dtype)).encode()))
+    q, k, v = make_inputs(B, H, L, E, M, dtype=dtype, device="cuda", generator=gen)
+    with cuda_kernels_launched() as names:
+        out, state = fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
+    assert any("key_sum_slabs" in n for n in names) == (dtype == torch.bfloat16 and E > 128), names
+    _, kv, k_sum = reference_with_state(q, k, v)
+    assert state.k_sum.dtype == torch.float32 and state.k_sum.shape == (B, H, E)
+    for name, x, ref in (("final k_sum", state.k_sum, k_sum), ("final kv", state.kv, kv)):
+        err = relative_error(x, ref)
+        assert err <= 1e-5, f"{name}: relative error {err:.3g}"
+    plain = fast_causal_attn.causal_dot_product(q, k, v)
+    assert relative_error(out, plain) <= error_bound(0.0, dtype), "the output moved with the state out"
 
 
 @on_the_wgmma_kernels

@@ -135,6 +135,14 @@ struct KernelParams : BackwardParams {
   bool end_transposed = false;         // (dk with dv in one pass: run_grad_kv)
   void* end_vector = nullptr;          // like start_vector
   const void* out_bias = nullptr;      // [B * H, Dc], added to every output row (grad k, no normalize)
+  // The 16-bit wgmma forward's final key sum without normalize (launch_wgmma; under normalize the
+  // kernels carry it as start_vector and end_vector): the pass's blocks sum k's columns from the
+  // chunks they stage. With one segment a block writes key_sum_start (nullptr: none) plus its sums
+  // to key_sum_end ([B * H, Da]); with more each segment's own sums go to key_sum_parts [B * H,
+  // segments, Da], which key_sum_finish_kernel adds in time order, the start after them.
+  void* key_sum_end = nullptr;
+  const void* key_sum_start = nullptr;
+  float* key_sum_parts = nullptr;
   // float16 under normalize, the reverse passes (dk, dv) on the tensor cores (the wgmma kernels,
   // and the mma.sync kernels through Operands::take_den_unit): the rows they divide by den (q /
   // den, dv's dO / den: about 1 / |key sum|, below float16's smallest normal 6.1e-5 once den is

@@ -348,6 +348,103 @@ int64_t wgmma_forward_segments(const KernelParams& p) {
   return wgmma_segments(p, blocks, wgmma_pass_layout<Pass::Forward, scalar_t>(p.E, p.M, p.normalize).smem_bytes());
 }
 
+// The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
+// fixed order (bit for bit repeatable). Each block sums `slab` timesteps of one (sequence, head),
+// a 16-byte vector of columns a thread (rows in 16-byte vectors: wgmma_takes), its rows at once
+// as far as 256 threads go, then adds its row groups in order; with one slab a pair it adds the
+// given start and writes the end itself, else its slab's sums into `partials` [pair, slab, E]
+// for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's 3.0: 25 us
+// at bf16 8,16,2048,64, RESULTS.md, fifty-first session; this kernel with four 16-bit columns a
+// thread and four blocks a multiprocessor 1.9-2.2 TB/s of the H200's 4.2, fifty-second session.)
+constexpr int kKeySumThreads = 256;
+
+// The final key sum's element i (pair * E + column): k's sum over time plus the given start.
+__device__ __forceinline__ void write_key_sum(const KernelParams& p, int64_t i, float sum) {
+  const float* start = static_cast<const float*>(p.start_vector);
+  static_cast<float*>(p.end_vector)[i] = start != nullptr ? sum + start[i] : sum;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kKeySumThreads)
+    key_sum_slabs_kernel(const KernelParams p, int64_t slab, int64_t slabs, float* partials) {
+  constexpr int kPer = 16 / sizeof(scalar_t);  // a thread's columns: one 16-byte vector of a row
+  struct alignas(16) Vector {
+    scalar_t x[kPer];
+  };
+  __shared__ float sums[kKeySumThreads * kPer];
+  const int64_t pair = blockIdx.x / slabs, index = blockIdx.x % slabs, b = pair / p.H, h = pair % p.H;
+  const int lanes = int(p.E / kPer), rows = kKeySumThreads / lanes;  // threads a row, rows at once
+  const int lane = threadIdx.x % lanes, row = threadIdx.x / lanes;
+  float sum[kPer] = {};
+  if (row < rows) {
+    const scalar_t* k = static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0) + kPer * lane;
+    const int64_t end = min(p.L, (index + 1) * slab);
+#pragma unroll 4
+    for (int64_t t = index * slab + row; t < end; t += rows) {
+      const Vector v = *reinterpret_cast<const Vector*>(k + t * p.k.stride_l);
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) sum[e] += static_cast<float>(v.x[e]);
+    }
+#pragma unroll
+    for (int e = 0; e < kPer; ++e) sums[(row * lanes + lane) * kPer + e] = sum[e];
+  }
+  __syncthreads();
+  for (int64_t column = threadIdx.x; column < p.E; column += kKeySumThreads) {
+    float total = 0.f;
+    for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / kPer) * kPer + column % kPer];
+    if (slabs == 1) {
+      write_key_sum(p, pair * p.E + column, total);
+    } else {
+      partials[(pair * slabs + index) * p.E + column] = total;
+    }
+  }
+}
+
+// The slabs' sums added in order, then the given start: one thread a (pair, column). (A template,
+// as every kernel of these headers, so that each compile unit that launches it may hold it.)
+template <typename scalar_t>
+__global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const float* partials) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, pair = i / p.E, column = i % p.E;
+  if (i >= p.B * p.H * p.E) return;
+  float total = 0.f;
+  for (int64_t s = 0; s < slabs; ++s) total += partials[(pair * slabs + s) * p.E + column];
+  write_key_sum(p, i, total);
+}
+
+// Slabs enough for eight blocks a multiprocessor (its 2048 threads), none under 64 timesteps.
+template <typename scalar_t>
+void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
+  const int64_t pairs = p.B * p.H;
+  if (pairs == 0 || p.E == 0) return;
+  const int64_t wanted = (8 * multiprocessor_count() + pairs - 1) / pairs;
+  const int64_t slabs = std::max<int64_t>(1, std::min(wanted, p.L / 64));
+  const int64_t slab = (p.L + slabs - 1) / slabs;
+  TORCH_CHECK(pairs * slabs <= int64_t(0x7fffffff), "fast_causal_attn: B * H too large: ", pairs);
+  at::Tensor partials;
+  if (slabs > 1) {
+    partials = at::empty({pairs * slabs * p.E}, float_options());
+  }
+  key_sum_slabs_kernel<scalar_t><<<unsigned(pairs * slabs), kKeySumThreads, 0, stream>>>(
+      p, slab, slabs, slabs > 1 ? partials.data_ptr<float>() : nullptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (slabs > 1) {
+    const int64_t blocks = (pairs * p.E + kKeySumThreads - 1) / kKeySumThreads;
+    key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(p, slabs, partials.data_ptr<float>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// The plain 16-bit forward's final key sum from its segments' own sums (KernelParams::key_sum_parts,
+// the pass's blocks'): added in time order, then the given start (key_sum_finish_kernel).
+template <typename scalar_t>
+void finish_key_sum_parts(const KernelParams& p, cudaStream_t stream) {
+  KernelParams sums = p;
+  sums.start_vector = p.key_sum_start, sums.end_vector = p.key_sum_end;
+  const int64_t blocks = (p.num_seqs * p.H * p.E + kKeySumThreads - 1) / kKeySumThreads;
+  key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(sums, p.segments, p.key_sum_parts);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
 // hold), in time segments where the pairs fill less than the multiprocessors (the dq pass from the
 // forward's starts where it kept them); returns the forward's segment starts where it keeps them,
@@ -537,6 +634,13 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const bool keeps_starts = P == Pass::Forward && p.keep_segments && !keeps_ends;
   const SegmentWorkspace workspace =
       SegmentWorkspace::make<P, float>(p, segments, C, Da, Dc, !one_launch || keeps_starts, length);
+  // The plain forward's key sum in segments (KernelParams::key_sum_end): each segment's own sums,
+  // added after the launch (one segment: the pass's blocks write the end themselves)
+  at::Tensor key_sum_parts;
+  if (p.key_sum_end != nullptr && p.segments > 1) {
+    key_sum_parts = at::empty({pairs * p.segments * Da}, float_options());
+    p.key_sum_parts = key_sum_parts.data_ptr<float>();
+  }
   const int64_t tile_blocks = blocks / row_tiles;  // one row tile's
   if (kFloat && row_tiles_in_sequence(row_tiles, tile_blocks, p.segments)) {
     for (int64_t tile = 0; tile < row_tiles; ++tile) {  // (one segment: the pass alone)
@@ -557,6 +661,7 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   if constexpr (kFloat && P == Pass::Forward) {
     if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
+  if (key_sum_parts.defined()) finish_key_sum_parts<scalar_t>(p, stream);
   if constexpr (P == Pass::Forward) {
     if (keeps_ends) return {kept_ends, kept_key_sum_ends, count};
     if (p.keep_segments) return workspace.kept();
@@ -567,103 +672,19 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   return {};
 }
 
-// The forward's final key sum beside a state (add_key_sums): k summed over time in float32, in a
-// fixed order (bit for bit repeatable). Each block sums `slab` timesteps of one (sequence, head),
-// a 16-byte vector of columns a thread (rows in 16-byte vectors: wgmma_takes), its rows at once
-// as far as 256 threads go, then adds its row groups in order; with one slab a pair it adds the
-// given start and writes the end itself, else its slab's sums into `partials` [pair, slab, E]
-// for key_sum_finish_kernel. (at::sum over time read k at 1.3-2.4 TB/s of the H100's 3.0: 25 us
-// at bf16 8,16,2048,64, RESULTS.md, fifty-first session; this kernel with four 16-bit columns a
-// thread and four blocks a multiprocessor 1.9-2.2 TB/s of the H200's 4.2, fifty-second session.)
-constexpr int kKeySumThreads = 256;
-
-// The final key sum's element i (pair * E + column): k's sum over time plus the given start.
-__device__ __forceinline__ void write_key_sum(const KernelParams& p, int64_t i, float sum) {
-  const float* start = static_cast<const float*>(p.start_vector);
-  static_cast<float*>(p.end_vector)[i] = start != nullptr ? sum + start[i] : sum;
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kKeySumThreads)
-    key_sum_slabs_kernel(const KernelParams p, int64_t slab, int64_t slabs, float* partials) {
-  constexpr int kPer = 16 / sizeof(scalar_t);  // a thread's columns: one 16-byte vector of a row
-  struct alignas(16) Vector {
-    scalar_t x[kPer];
-  };
-  __shared__ float sums[kKeySumThreads * kPer];
-  const int64_t pair = blockIdx.x / slabs, index = blockIdx.x % slabs, b = pair / p.H, h = pair % p.H;
-  const int lanes = int(p.E / kPer), rows = kKeySumThreads / lanes;  // threads a row, rows at once
-  const int lane = threadIdx.x % lanes, row = threadIdx.x / lanes;
-  float sum[kPer] = {};
-  if (row < rows) {
-    const scalar_t* k = static_cast<const scalar_t*>(p.k.ptr) + p.k.offset(b, h, 0) + kPer * lane;
-    const int64_t end = min(p.L, (index + 1) * slab);
-#pragma unroll 4
-    for (int64_t t = index * slab + row; t < end; t += rows) {
-      const Vector v = *reinterpret_cast<const Vector*>(k + t * p.k.stride_l);
-#pragma unroll
-      for (int e = 0; e < kPer; ++e) sum[e] += static_cast<float>(v.x[e]);
-    }
-#pragma unroll
-    for (int e = 0; e < kPer; ++e) sums[(row * lanes + lane) * kPer + e] = sum[e];
-  }
-  __syncthreads();
-  for (int64_t column = threadIdx.x; column < p.E; column += kKeySumThreads) {
-    float total = 0.f;
-    for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / kPer) * kPer + column % kPer];
-    if (slabs == 1) {
-      write_key_sum(p, pair * p.E + column, total);
-    } else {
-      partials[(pair * slabs + index) * p.E + column] = total;
-    }
-  }
-}
-
-// The slabs' sums added in order, then the given start: one thread a (pair, column). (A template,
-// as every kernel of these headers, so that each compile unit that launches it may hold it.)
-template <typename scalar_t>
-__global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const float* partials) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, pair = i / p.E, column = i % p.E;
-  if (i >= p.B * p.H * p.E) return;
-  float total = 0.f;
-  for (int64_t s = 0; s < slabs; ++s) total += partials[(pair * slabs + s) * p.E + column];
-  write_key_sum(p, i, total);
-}
-
-// Slabs enough for eight blocks a multiprocessor (its 2048 threads), none under 64 timesteps.
-template <typename scalar_t>
-void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
-  const int64_t pairs = p.B * p.H;
-  if (pairs == 0 || p.E == 0) return;
-  const int64_t wanted = (8 * multiprocessor_count() + pairs - 1) / pairs;
-  const int64_t slabs = std::max<int64_t>(1, std::min(wanted, p.L / 64));
-  const int64_t slab = (p.L + slabs - 1) / slabs;
-  TORCH_CHECK(pairs * slabs <= int64_t(0x7fffffff), "fast_causal_attn: B * H too large: ", pairs);
-  at::Tensor partials;
-  if (slabs > 1) {
-    partials = at::empty({pairs * slabs * p.E}, float_options());
-  }
-  key_sum_slabs_kernel<scalar_t><<<unsigned(pairs * slabs), kKeySumThreads, 0, stream>>>(
-      p, slab, slabs, slabs > 1 ? partials.data_ptr<float>() : nullptr);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (slabs > 1) {
-    const int64_t blocks = (pairs * p.E + kKeySumThreads - 1) / kKeySumThreads;
-    key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(p, slabs, partials.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-}
-
-// The key sums beside a state, which the wgmma kernels carry only under normalize (where they meet
-// q: the forward's KeySums), on the current stream after the pass: the forward's final key
-// sum, the initial one plus the sum of k over time, in float32 (launch_key_sum: k read a second
-// time, a quarter of the forward's floor where E = M); and the gradient of k's constant row (the
+// The key sums beside a state that the wgmma kernels do not carry (they carry the forward's under
+// normalize, where they meet q: KeySums, and the 16-bit plain forward's: key_sum_end), on the
+// current stream after the pass: float32's final key sum, the initial one plus the sum of k over
+// time, in float32 (launch_key_sum: k read a second time, a quarter of the forward's floor where E
+// = M); and the gradient of k's constant row (the
 // final key sum's gradient, out_bias) added to every row of dk (dk read and written once more;
 // rounded twice in 16-bit, once by the pass, once by the add, where the mma.sync kernels add it
 // before their one rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
 template <Pass P, typename scalar_t>
-void add_key_sums(const KernelParams& p, cudaStream_t stream) {
-  // (normalize: the forward's kernel carries its key sums, KeySums)
-  if (P == Pass::Forward && p.end_vector != nullptr && !p.normalize) launch_key_sum<scalar_t>(p, stream);
+void add_key_sums(const KernelParams& p, bool kernels_carry_key_sum, cudaStream_t stream) {
+  if (P == Pass::Forward && p.end_vector != nullptr && !p.normalize && !kernels_carry_key_sum) {
+    launch_key_sum<scalar_t>(p, stream);
+  }
   if ((P == Pass::GradK || P == Pass::GradKV) && p.out_bias != nullptr) {  // dk [B, H, L, E] through its strides
     const auto options = float_options().dtype(c10::CppTypeToScalarType<scalar_t>::value);
     at::from_blob(p.dk.ptr, {p.B, p.H, p.L, p.E}, {p.dk.stride_b, p.dk.stride_h, p.dk.stride_l, 1}, options)
@@ -684,10 +705,18 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   // forward's KeySums, dk with dv's extra row)
   if (!p.normalize) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
   p.out_bias = nullptr;
+  // and the 16-bit plain forward's final key sum, from the chunks its kernels stage (key_sum_end),
+  // where any block runs: k read once, where launch_key_sum read it again after the pass (bf16
+  // 8,16,2048,64 with a state out, H100: the pass 53 us, the sum's two launches 20; RESULTS.md,
+  // seventy-sixth session)
+  const bool kernels_carry_key_sum = P == Pass::Forward && kWgmmaInput<scalar_t> && params.end_vector != nullptr &&
+                                     params.L > 0 &&
+                                     wgmma_pass_layout<P, scalar_t>(Da, Dc, params.normalize).sums_plain_keys();
+  if (kernels_carry_key_sum) p.key_sum_end = params.end_vector, p.key_sum_start = params.start_vector;
   const ReverseStates states(p, PassTraits<P>::kReverse && !p.dry_run, Da, Dc, p.scale);
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);
   states.finish(p);
-  if (!params.dry_run) add_key_sums<P, scalar_t>(params, stream);
+  if (!params.dry_run) add_key_sums<P, scalar_t>(params, kernels_carry_key_sum, stream);
   return kept;
 }
 

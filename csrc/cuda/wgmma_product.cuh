@@ -120,6 +120,11 @@ struct ProductLayout {
     return atoms == 2 && groups == 2 && !half && !normalize;
   }
   __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
+  // the plain forward sums k's columns itself beside a final state (KernelParams::key_sum_end),
+  // but bfloat16 at four atoms: the sums' registers spilled more there (ptxas loads 68 -> 96
+  // bytes) and the plain forward at 4,16,2048,256 ran 2.7% slower (0.182 -> 0.187 ms, both repeats;
+  // float16's 0.6%), so it keeps launch_key_sum after the pass (RESULTS.md, seventy-seventh session)
+  __host__ __device__ constexpr bool sums_plain_keys() const { return !normalize && !(atoms == 4 && !half); }
   // each group's outputs staged over its copy's first tiles (the copy is dead between its A S and
   // the next chunk's copy), not in staging rows of their own
   __host__ __device__ constexpr bool stages_over_copy() const {
@@ -1778,6 +1783,26 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // Each output times the pass's constant factor (see the file's comment; the reverse passes'
   // under normalize in float16 also times 1 / KernelParams::den_unit, the unit of their sums).
   const float factor = float(p.scale) * den_unit_of<kHalf && kNormalize && kReverse>(p, 1);
+  // The plain forward's key sum beside a final state (KernelParams::key_sum_end): the pass's first
+  // group of column tile 0 (kSplitRows: each group its half of Da) sums k's columns from each
+  // staged chunk while the chunk's first products run (keys.chunk_sums: an owner lane's two
+  // columns an atom, kept in registers; z in shared memory spilled more, RESULTS.md, seventy-sixth
+  // session), and writes them at the end
+  constexpr bool kPlainKeySums = P == Pass::Forward && kLayout.sums_plain_keys();
+  const bool sums_keys =
+      kPlainKeySums && p.key_sum_end != nullptr && !state_only && (kSplitRows || group == 0) && work.col_tile == 0;
+  float plain_keys[kStateAtoms][2] = {};
+  auto add_plain_key_sums = [&](uint32_t b_tile) {
+    if constexpr (kPlainKeySums) {
+      if (!sums_keys) return;
+      float sums[kStateAtoms][2];
+      keys.chunk_sums(sums, b_tile);
+#pragma unroll
+      for (int a = 0; a < kStateAtoms; ++a)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) plain_keys[a][e] += sums[a][e];
+    }
+  };
   if (state_only) {  // the segment's own B^T Cc alone (no summing walk before)
     sum_own_chunks();
   } else {
@@ -1903,6 +1928,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         fence();
         tile_times<kHalf>(out, scores_tile(it), ct);  // P Cc
         commit();
+        add_plain_key_sums(bt);
         copy.publish(state);
         fence_shared_writes();
         group_sync();  // the copy seen by every warp's wgmma
@@ -1920,6 +1946,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         // (key_columns, taken into z by add_masked once the scores are waited for)
         if constexpr (kKeySumsOnOnes) column_sums_of_ones<kStateAtoms>(key_columns, bt, ones_tile);
         commit();
+        add_plain_key_sums(bt);
         // (kKeyDotsOnOnes) z's copy for this chunk's q . z, seen by the tensor cores after the state
         // copy's fence and barrier below
         if constexpr (kKeyDotsOnOnes) keys.publish_copy(key_copy);
@@ -2074,6 +2101,24 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   for (int a = 0; a < kStateAtoms; ++a) {
     store_end(state[a], end.state, Da, Dc, row0 + 64 * a, m0);
     store_end(state[a], kept_end, Da, Dc, row0 + 64 * a, m0);
+  }
+  // the plain forward's key sum: the end itself (one segment: with the given start), or the
+  // segment's own sums (KernelParams::key_sum_parts)
+  if constexpr (kPlainKeySums) {
+    if (sums_keys && keys.owner()) {
+      const bool whole = p.segments == 1;
+      float* const to = whole ? static_cast<float*>(p.key_sum_end) + work.pair * Da
+                              : p.key_sum_parts + (work.pair * p.segments + work.segment) * Da;
+      const float* const start =
+          whole && p.key_sum_start != nullptr ? static_cast<const float*>(p.key_sum_start) + work.pair * Da : nullptr;
+#pragma unroll
+      for (int a = 0; a < kStateAtoms; ++a)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int64_t column = row0 + keys.column(a, e);
+          if (column < Da) to[column] = start != nullptr ? start[column] + plain_keys[a][e] : plain_keys[a][e];
+        }
+    }
   }
   // kNormalize: the key sum's end (the owners' columns of z, each warp's own: the warp's lanes
   // q4 = 0 wrote them last where the chunk sums came from the tensor cores, hence its sync;
