@@ -655,29 +655,77 @@ struct StateCopy {
   }
 };
 
-// A segment's start (SegmentStart: the scanned sums of the segments before it, in time order)
-// into an accumulator, or zeros (a state-only block sums its segment's own); and the segment's
-// own sums out (SegmentEnd, state-only blocks). Accumulator layout: row row0 + 16 warp + g (+8),
-// column col0 + 8 j + 2 q4 (+1) in d[4 j ..] (row0: the row block's first, col0: the column
-// tile's); rows below Da, columns below Dc. Each of these helpers writes its own loop over the
-// layout: one shared loop (a lambda per entry) raised the dk-with-dv kernel's registers (bf16
-// 154 -> 176 with store_end's, 156 with load_start's alone; fifty-second and fifty-third sessions).
+// A state's entries in an accumulator's layout: row row0 + 16 warp + g (+8), column col0 + 8 j +
+// 2 q4 (+1) in d[4 j ..] (row0: the row block's first, col0: the column tile's); rows below Da,
+// columns below Dc, zeros past them. `from` is [Da, Dc] by rows, or transposed [Dc, Da]. Loads
+// are issued together before any is used: SegmentStart::state's entry by entry (a branch, a load
+// and an add each) waited out one round trip after another, and the forward with a state ran 18%
+// slower than without at 8,16,2048,128 (ncu, RESULTS.md, seventy-seventh session).
+struct StateEntries {
+  const float* from;
+  int64_t row, column, row_step, column_step, Da, Dc;  // (row, column: the thread's first entry's)
+  __device__ StateEntries(const float* from_, bool transposed, int64_t Da_, int64_t Dc_, int64_t row0, int64_t col0)
+      : from(from_),
+        row(row0 + 16 * group_warp() + (threadIdx.x % kWarp) / 4),
+        column(col0 + 2 * (threadIdx.x % 4)),
+        row_step(transposed ? 1 : Dc_),
+        column_step(transposed ? Da_ : 1),
+        Da(Da_),
+        Dc(Dc_) {}
+  __device__ __forceinline__ float operator()(int j, int e) const {  // d[4 j + e]'s
+    const int64_t r = row + 8 * (e / 2), c = column + 8 * j + e % 2;
+    return r < Da && c < Dc ? from[r * row_step + c * column_step] : 0.f;
+  }
+};
+// The pass's given start (KernelParams::start_state: SegmentStart's second term, added after the
+// segments' sums as there) into an accumulator, layout as StateEntries': load_start's, and one
+// launch's segments' (which sum the segments before them themselves, add_segments_before). Half
+// the entries at a time: all 32 at once spilled the bf16 forward under normalize at E = 128.
+__device__ __forceinline__ void add_given_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t Da,
+                                                int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
+  if (p.start_state == nullptr) return;
+  const StateEntries given(static_cast<const float*>(p.start_state) + pair * Da * Dc, p.start_transposed, Da, Dc,
+                           row0, col0);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float x[16];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[4 * j + e] = given(4 * half + j, e);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) d[16 * half + i] += x[i];
+  }
+}
+// A segment's start (SegmentStart's: the scanned sums of the segments before it, in time order,
+// then the given start) into an accumulator, layout as StateEntries', or zeros (a state-only
+// block sums its segment's own); and the segment's own sums out (SegmentEnd, state-only blocks).
+// store_end writes its own loop over the layout: one shared loop (a lambda per entry) raised the
+// dk-with-dv kernel's registers (bf16 154 -> 176 with store_end's, 156 with load_start's alone;
+// fifty-second and fifty-third sessions).
 __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t segment,
                                            int64_t Da, int64_t Dc, bool zero, int64_t row0 = 0, int64_t col0 = 0) {
-  const SegmentStart<float> start(p, pair, segment, Da, Dc);
-  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
+  const bool scanned = !zero && p.segments > 1, given = !zero && p.start_state != nullptr;
+  if (scanned || given) {  // the first term loaded as it is (no temporaries), the given start added to the scan's
+    const StateEntries first =
+        scanned ? StateEntries(static_cast<const float*>(p.seg_state) + (pair * p.segments + segment) * Da * Dc,
+                               p.seg_from_forward, Da, Dc, row0, col0)
+                : StateEntries(static_cast<const float*>(p.start_state) + pair * Da * Dc, p.start_transposed, Da, Dc,
+                               row0, col0);
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
-      d[4 * j + e] = !zero && row < Da && column < Dc ? start.state(row, column) : 0.f;
-    }
+      for (int e = 0; e < 4; ++e) d[4 * j + e] = first(j, e);
+    if (scanned) add_given_start(d, p, pair, Da, Dc, row0, col0);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  }
 }
 // A segment's start in one launch (KernelParams::lookback): the own sums of the `count` segments
 // before it in pass order, [Da, Dc] each, the first at `sums`, the next `step` slots on (1; -1
 // in reverse), added in that order (as scan_segments adds them, so the start is the scan's to the
-// bit). Accumulator layout as load_start's. The sums are other blocks' writes: read through the
+// bit). Accumulator layout as StateEntries'. The sums are other blocks' writes: read through the
 // L2 (ld.global.cg), past this multiprocessor's L1; two segments' loads in flight at once (a
 // round trip each, one after the other, cost about half a microsecond a segment).
 __device__ __forceinline__ void add_segments_before(float (&d)[32], const float* sums, int64_t count, int64_t step,
@@ -719,22 +767,6 @@ __device__ __forceinline__ float add_vector_sums_before(const float* sums, int64
   float value = 0.f;
   for (int64_t s = 0; s < count; ++s, sums += step) value += __ldcg(sums);
   return value;
-}
-// The pass's given start (KernelParams::start_state: SegmentStart's second term, added after the
-// segments' sums as there) into an accumulator, layout as load_start's: one launch's segments,
-// which sum the segments before them themselves (add_segments_before).
-__device__ __forceinline__ void add_given_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t Da,
-                                                int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
-  if (p.start_state == nullptr) return;
-  const SegmentStart<float> start(p, pair, 0, Da, Dc);
-  const int warp = group_warp(), g = (threadIdx.x % kWarp) / 4, q4 = threadIdx.x % 4;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int64_t row = row0 + 16 * warp + g + 8 * (e / 2), column = col0 + 8 * j + 2 * q4 + e % 2;
-      if (row < Da && column < Dc) d[4 * j + e] += start.given(row, column);
-    }
 }
 __device__ __forceinline__ void store_end(const float (&d)[32], float* to, int64_t Da, int64_t Dc, int64_t row0 = 0,
                                           int64_t col0 = 0, bool transposed = false) {
