@@ -358,12 +358,6 @@ int64_t wgmma_forward_segments(const KernelParams& p) {
 // thread and four blocks a multiprocessor 1.9-2.2 TB/s of the H200's 4.2, fifty-second session.)
 constexpr int kKeySumThreads = 256;
 
-// The final key sum's element i (pair * E + column): k's sum over time plus the given start.
-__device__ __forceinline__ void write_key_sum(const KernelParams& p, int64_t i, float sum) {
-  const float* start = static_cast<const float*>(p.start_vector);
-  static_cast<float*>(p.end_vector)[i] = start != nullptr ? sum + start[i] : sum;
-}
-
 template <typename scalar_t>
 __global__ void __launch_bounds__(kKeySumThreads)
     key_sum_slabs_kernel(const KernelParams p, int64_t slab, int64_t slabs, float* partials) {
@@ -393,22 +387,34 @@ __global__ void __launch_bounds__(kKeySumThreads)
     float total = 0.f;
     for (int r = 0; r < rows; ++r) total += sums[(r * lanes + column / kPer) * kPer + column % kPer];
     if (slabs == 1) {
-      write_key_sum(p, pair * p.E + column, total);
+      write_key_sum(static_cast<float*>(p.end_vector), static_cast<const float*>(p.start_vector), pair * p.E + column,
+                    total);
     } else {
       partials[(pair * slabs + index) * p.E + column] = total;
     }
   }
 }
 
-// The slabs' sums added in order, then the given start: one thread a (pair, column). (A template,
-// as every kernel of these headers, so that each compile unit that launches it may hold it.)
+// Each pair's `parts` partial sums ([pair, part, E]) added in order, then the given start
+// (write_key_sum): one thread a (pair, column); launch_key_sum's slabs, the plain forward's
+// segments (KernelParams::key_sum_parts). (A template, as every kernel of these headers, so that
+// each compile unit that launches it may hold it.)
 template <typename scalar_t>
-__global__ void key_sum_finish_kernel(const KernelParams p, int64_t slabs, const float* partials) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, pair = i / p.E, column = i % p.E;
-  if (i >= p.B * p.H * p.E) return;
+__global__ void key_sum_finish_kernel(int64_t entries, int64_t E, int64_t parts, const float* partials,
+                                      const float* start, float* end) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, pair = i / E, column = i % E;
+  if (i >= entries) return;
   float total = 0.f;
-  for (int64_t s = 0; s < slabs; ++s) total += partials[(pair * slabs + s) * p.E + column];
-  write_key_sum(p, i, total);
+  for (int64_t s = 0; s < parts; ++s) total += partials[(pair * parts + s) * E + column];
+  write_key_sum(end, start, i, total);
+}
+template <typename scalar_t>
+void launch_key_sum_finish(int64_t pairs, int64_t E, int64_t parts, const float* partials, const void* start, void* end,
+                           cudaStream_t stream) {
+  const int64_t blocks = (pairs * E + kKeySumThreads - 1) / kKeySumThreads;
+  key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(
+      pairs * E, E, parts, partials, static_cast<const float*>(start), static_cast<float*>(end));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Slabs enough for eight blocks a multiprocessor (its 2048 threads), none under 64 timesteps.
@@ -428,21 +434,8 @@ void launch_key_sum(const KernelParams& p, cudaStream_t stream) {
       p, slab, slabs, slabs > 1 ? partials.data_ptr<float>() : nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (slabs > 1) {
-    const int64_t blocks = (pairs * p.E + kKeySumThreads - 1) / kKeySumThreads;
-    key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(p, slabs, partials.data_ptr<float>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_key_sum_finish<scalar_t>(pairs, p.E, slabs, partials.data_ptr<float>(), p.start_vector, p.end_vector, stream);
   }
-}
-
-// The plain 16-bit forward's final key sum from its segments' own sums (KernelParams::key_sum_parts,
-// the pass's blocks'): added in time order, then the given start (key_sum_finish_kernel).
-template <typename scalar_t>
-void finish_key_sum_parts(const KernelParams& p, cudaStream_t stream) {
-  KernelParams sums = p;
-  sums.start_vector = p.key_sum_start, sums.end_vector = p.key_sum_end;
-  const int64_t blocks = (p.num_seqs * p.H * p.E + kKeySumThreads - 1) / kKeySumThreads;
-  key_sum_finish_kernel<scalar_t><<<unsigned(blocks), kKeySumThreads, 0, stream>>>(sums, p.segments, p.key_sum_parts);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // Runs pass P (the forward, dq, or dk and dv in one pass) on the wgmma kernels (wgmma_takes must
@@ -661,7 +654,9 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   if constexpr (kFloat && P == Pass::Forward) {
     if (normalize && row_tiles > 1) divide_by_den(p, Dc);
   }
-  if (key_sum_parts.defined()) finish_key_sum_parts<scalar_t>(p, stream);
+  if (key_sum_parts.defined()) {  // the segments' own key sums in time order, then the given start
+    launch_key_sum_finish<scalar_t>(pairs, Da, p.segments, p.key_sum_parts, p.key_sum_start, p.key_sum_end, stream);
+  }
   if constexpr (P == Pass::Forward) {
     if (keeps_ends) return {kept_ends, kept_key_sum_ends, count};
     if (p.keep_segments) return workspace.kept();

@@ -677,6 +677,12 @@ struct StateEntries {
     return r < Da && c < Dc ? from[r * row_step + c * column_step] : 0.f;
   }
 };
+// The given start's entries (KernelParams::start_state, not null) in an accumulator's layout.
+__device__ __forceinline__ StateEntries given_start_entries(const KernelParams& p, int64_t pair, int64_t Da,
+                                                            int64_t Dc, int64_t row0, int64_t col0) {
+  return StateEntries(static_cast<const float*>(p.start_state) + pair * Da * Dc, p.start_transposed, Da, Dc, row0,
+                      col0);
+}
 // The pass's given start (KernelParams::start_state: SegmentStart's second term, added after the
 // segments' sums as there) into an accumulator, layout as StateEntries': load_start's, and one
 // launch's segments' (which sum the segments before them themselves, add_segments_before). Half
@@ -684,8 +690,7 @@ struct StateEntries {
 __device__ __forceinline__ void add_given_start(float (&d)[32], const KernelParams& p, int64_t pair, int64_t Da,
                                                 int64_t Dc, int64_t row0 = 0, int64_t col0 = 0) {
   if (p.start_state == nullptr) return;
-  const StateEntries given(static_cast<const float*>(p.start_state) + pair * Da * Dc, p.start_transposed, Da, Dc,
-                           row0, col0);
+  const StateEntries given = given_start_entries(p, pair, Da, Dc, row0, col0);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float x[16];
@@ -710,8 +715,7 @@ __device__ __forceinline__ void load_start(float (&d)[32], const KernelParams& p
     const StateEntries first =
         scanned ? StateEntries(static_cast<const float*>(p.seg_state) + (pair * p.segments + segment) * Da * Dc,
                                p.seg_from_forward, Da, Dc, row0, col0)
-                : StateEntries(static_cast<const float*>(p.start_state) + pair * Da * Dc, p.start_transposed, Da, Dc,
-                               row0, col0);
+                : given_start_entries(p, pair, Da, Dc, row0, col0);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -1401,6 +1405,13 @@ __device__ __forceinline__ void divide_rows(const Stager& stage, uint32_t tile, 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 
 }  // namespace wgmma
+
+// A final key sum's entry i: k's sum over time (float32) plus the given start's entry (start:
+// nullptr where none was given); the plain forward's kernels (KernelParams::key_sum_end) and
+// launch_key_sum's.
+__device__ __forceinline__ void write_key_sum(float* end, const float* start, int64_t i, float sum) {
+  end[i] = start != nullptr ? sum + start[i] : sum;
+}
 
 // One pass of the four (wgmma_takes): the forward and dq walk time forward, dk and dv (as two
 // passes: E or M above 128, or FAST_CAUSAL_ATTN_FUSED_GRAD_KV=0) backward, with the masks kept
@@ -2148,7 +2159,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t column = row0 + keys.column(a, e);
-          if (column < Da) to[column] = start != nullptr ? start[column] + plain_keys[a][e] : plain_keys[a][e];
+          if (column < Da) write_key_sum(to, start, column, plain_keys[a][e]);
         }
     }
   }
