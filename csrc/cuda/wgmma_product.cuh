@@ -120,11 +120,11 @@ struct ProductLayout {
     return atoms == 2 && groups == 2 && !half && !normalize;
   }
   __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
-  // the plain forward sums k's columns itself beside a final state (KernelParams::key_sum_end),
-  // but bfloat16 at four atoms: the sums' registers spilled more there (ptxas loads 68 -> 96
-  // bytes) and the plain forward at 4,16,2048,256 ran 2.7% slower (0.182 -> 0.187 ms, both repeats;
-  // float16's 0.6%), so it keeps launch_key_sum after the pass (RESULTS.md, seventy-seventh session)
-  __host__ __device__ constexpr bool sums_plain_keys() const { return !normalize && !(atoms == 4 && !half); }
+  // the plain forward sums k's columns itself beside a final state (KernelParams::key_sum_end)
+  // (bfloat16 at four atoms too since load_start's loads went together: no spills there with the
+  // sums, ptxas; before, the sums' spills ran its plain forward 2.7% slower, RESULTS.md,
+  // seventy-seventh session)
+  __host__ __device__ constexpr bool sums_plain_keys() const { return !normalize; }
   // each group's outputs staged over its copy's first tiles (the copy is dead between its A S and
   // the next chunk's copy), not in staging rows of their own
   __host__ __device__ constexpr bool stages_over_copy() const {
