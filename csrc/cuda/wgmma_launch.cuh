@@ -669,13 +669,13 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
 
 // The key sums beside a state that the wgmma kernels do not carry (they carry the forward's under
 // normalize, where they meet q: KeySums, and the 16-bit plain forward's: key_sum_end,
-// ProductLayout::sums_plain_keys), on the current stream after the pass: float32's final key sum,
-// the initial one plus the sum of k over time, in float32 (launch_key_sum: k read a second time, a
-// quarter of the forward's floor where E = M); and the gradient of k's constant row (the final key
-// sum's gradient, out_bias) added to every row of dk (dk read and written once more; rounded twice
-// in 16-bit, once by the pass, once by the add, where the mma.sync kernels add it before their one
-// rounding). Without packed
-// sequences (wgmma_takes): one sequence a batch entry.
+// ProductLayout::sums_plain_keys), on the current stream after the pass: float32's final key sum
+// (and a 16-bit call's without timesteps), the initial one plus the sum of k over time, in float32
+// (launch_key_sum: k read a second time, a quarter of the forward's floor where E = M); and the
+// gradient of k's constant row (the final key sum's gradient, out_bias) added to every row of dk
+// (dk read and written once more; rounded twice in 16-bit, once by the pass, once by the add, where
+// the mma.sync kernels add it before their one rounding). Without packed sequences (wgmma_takes):
+// one sequence a batch entry.
 template <Pass P, typename scalar_t>
 void add_key_sums(const KernelParams& p, bool kernels_carry_key_sum, cudaStream_t stream) {
   if (P == Pass::Forward && p.end_vector != nullptr && !p.normalize && !kernels_carry_key_sum) {
