@@ -668,14 +668,13 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
 }
 
 // The key sums beside a state that the wgmma kernels do not carry (they carry the forward's under
-// normalize, where they meet q: KeySums, and the 16-bit plain forward's: key_sum_end,
-// ProductLayout::sums_plain_keys), on the current stream after the pass: float32's final key sum
-// (and a 16-bit call's without timesteps), the initial one plus the sum of k over time, in float32
-// (launch_key_sum: k read a second time, a quarter of the forward's floor where E = M); and the
-// gradient of k's constant row (the final key sum's gradient, out_bias) added to every row of dk
-// (dk read and written once more; rounded twice in 16-bit, once by the pass, once by the add, where
-// the mma.sync kernels add it before their one rounding). Without packed sequences (wgmma_takes):
-// one sequence a batch entry.
+// normalize, where they meet q: KeySums, and the 16-bit plain forward's: key_sum_end), on the
+// current stream after the pass: float32's final key sum (and a 16-bit call's without timesteps),
+// the initial one plus the sum of k over time, in float32 (launch_key_sum: k read a second time, a
+// quarter of the forward's floor where E = M); and the gradient of k's constant row (the final key
+// sum's gradient, out_bias) added to every row of dk (dk read and written once more; rounded twice
+// in 16-bit, once by the pass, once by the add, where the mma.sync kernels add it before their one
+// rounding). Without packed sequences (wgmma_takes): one sequence a batch entry.
 template <Pass P, typename scalar_t>
 void add_key_sums(const KernelParams& p, bool kernels_carry_key_sum, cudaStream_t stream) {
   if (P == Pass::Forward && p.end_vector != nullptr && !p.normalize && !kernels_carry_key_sum) {
@@ -702,12 +701,12 @@ ForwardSegments launch_wgmma(const KernelParams& params, int64_t Da, int64_t Dc,
   if (!p.normalize) p.start_vector = p.end_vector = nullptr;  // (no key-sum regions either)
   p.out_bias = nullptr;
   // and the 16-bit plain forward's final key sum, from the chunks its kernels stage (key_sum_end,
-  // sums_plain_keys): k read once, where launch_key_sum read it again after the pass (bf16
-  // 8,16,2048,64 with a state out, H100: the pass 53 us, the sum's two launches 20; RESULTS.md,
-  // seventy-sixth session; bf16 4,16,2048,256's state call 0.223 -> 0.196 ms, seventy-eighth)
+  // wgmma_product_kernel's kPlainKeySums): k read once, where launch_key_sum read it again after
+  // the pass (bf16 8,16,2048,64 with a state out, H100: the pass 53 us, the sum's two launches 20;
+  // RESULTS.md, seventy-sixth session; bf16 4,16,2048,256's state call 0.223 -> 0.196 ms,
+  // seventy-eighth)
   const bool kernels_carry_key_sum = P == Pass::Forward && kWgmmaInput<scalar_t> && params.end_vector != nullptr &&
-                                     params.L > 0 &&
-                                     wgmma_pass_layout<P, scalar_t>(Da, Dc, params.normalize).sums_plain_keys();
+                                     params.L > 0 && !params.normalize;
   if (kernels_carry_key_sum) p.key_sum_end = params.end_vector, p.key_sum_start = params.start_vector;
   const ReverseStates states(p, PassTraits<P>::kReverse && !p.dry_run, Da, Dc, p.scale);
   const ForwardSegments kept = launch_wgmma_kernels<P, scalar_t>(p, Da, Dc, stream);

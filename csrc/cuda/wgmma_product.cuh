@@ -120,11 +120,6 @@ struct ProductLayout {
     return atoms == 2 && groups == 2 && !half && !normalize;
   }
   __host__ __device__ constexpr int scores_tiles() const { return producer_scores() ? kScoresDepth : 0; }
-  // the plain forward sums k's columns itself beside a final state (KernelParams::key_sum_end)
-  // (bfloat16 at four atoms too since load_start's loads went together: no spills there with the
-  // sums, ptxas; before, the sums' spills ran its plain forward 2.7% slower, RESULTS.md,
-  // seventy-seventh session)
-  __host__ __device__ constexpr bool sums_plain_keys() const { return !normalize; }
   // each group's outputs staged over its copy's first tiles (the copy is dead between its A S and
   // the next chunk's copy), not in staging rows of their own
   __host__ __device__ constexpr bool stages_over_copy() const {
@@ -1830,8 +1825,10 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
   // group of column tile 0 (kSplitRows: each group its half of Da) sums k's columns from each
   // staged chunk while the chunk's first products run (keys.chunk_sums: an owner lane's two
   // columns an atom, kept in registers; z in shared memory spilled more, RESULTS.md, seventy-sixth
-  // session), and writes them at the end
-  constexpr bool kPlainKeySums = P == Pass::Forward && kLayout.sums_plain_keys();
+  // session), and writes them at the end. Every plain 16-bit forward, bfloat16 at four atoms too
+  // since load_start's loads went together (no spills there with the sums, ptxas; before, their
+  // spills ran that forward 2.7% slower; RESULTS.md, seventy-seventh and seventy-eighth sessions).
+  constexpr bool kPlainKeySums = P == Pass::Forward && !kNormalize;
   const bool sums_keys =
       kPlainKeySums && p.key_sum_end != nullptr && !state_only && (kSplitRows || group == 0) && work.col_tile == 0;
   float plain_keys[kStateAtoms][2] = {};
