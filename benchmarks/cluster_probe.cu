@@ -43,7 +43,7 @@ __global__ void spin_kernel(int64_t* record, uint64_t spin_ns) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int64_t block = int64_t(blockIdx.x) + int64_t(gridDim.x) * blockIdx.y;
+    const int64_t block = blockIdx.x;  // (a one-dimensional grid)
     record[3 * block] = sm_id();
     record[3 * block + 1] = int64_t(start);
     record[3 * block + 2] = int64_t(global_ns());
