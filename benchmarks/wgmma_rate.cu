@@ -28,6 +28,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 #define RATE_D8(d, i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), \
     "+f"(d[i + 6]), "+f"(d[i + 7])
 #define RATE_D32(d, i) RATE_D8(d, i), RATE_D8(d, i + 8), RATE_D8(d, i + 16), RATE_D8(d, i + 24)
+#define RATE_REGS_0_16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define RATE_REGS_0_32 \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, " \
     "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -46,6 +47,12 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 
 // d += A B^T, both K-major: A and B from shared memory (mma_ss) or A from registers (mma_rs: the
 // four registers of mma.sync's A fragment)
+template <>  // (N = 32: half a tile's columns, as a warpgroup owning 32 of them would multiply)
+__device__ __forceinline__ void mma_ss<32>(float (&d)[16], uint64_t a, uint64_t b) {
+  asm volatile(RATE_SCALE_D RATE_WGMMA(32) RATE_REGS_0_16 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+               : RATE_D8(d, 0), RATE_D8(d, 8)
+               : "l"(a), "l"(b));
+}
 template <>  // (N = 64: the kernels' own, wgmma.cuh's)
 __device__ __forceinline__ void mma_ss<64>(float (&d)[32], uint64_t a, uint64_t b) {
   wgmma::mma_ss<0, 0>(d, a, b);
@@ -61,6 +68,12 @@ __device__ __forceinline__ void mma_ss<256>(float (&d)[128], uint64_t a, uint64_
   asm volatile(RATE_SCALE_D RATE_WGMMA(256) RATE_REGS_128 "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
                : RATE_D32(d, 0), RATE_D32(d, 32), RATE_D32(d, 64), RATE_D32(d, 96)
                : "l"(a), "l"(b));
+}
+template <>
+__device__ __forceinline__ void mma_rs<32>(float (&d)[16], const uint32_t (&a)[4], uint64_t b) {
+  asm volatile(RATE_SCALE_D RATE_WGMMA(32) RATE_REGS_0_16 "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+               : RATE_D8(d, 0), RATE_D8(d, 8)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 template <>
 __device__ __forceinline__ void mma_rs<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
@@ -166,7 +179,11 @@ Measured launch(int64_t blocks, int64_t rounds) {
 }
 
 // The variants, by number: <N, A from registers, warpgroups, accumulators, bytes stored a round>
-constexpr int64_t kVariants = 12;
+// (12-14, N = 32: an m64n32k16 with A in shared memory reads 2 KB of A and 1 KB of B in the 16
+// cycles of its peak rate, 192 bytes a cycle where the shared-memory budget measured about 128:
+// the E = 256 column-halves design's products, RESULTS.md, eighty-third session; four
+// accumulators of N = 32 serialize the products: ptxas C7514)
+constexpr int64_t kVariants = 15;
 Measured run(int64_t variant, int64_t blocks, int64_t rounds) {
   switch (variant) {
     case 0: return launch<64, false, 1, 2, 0>(blocks, rounds);
@@ -181,6 +198,9 @@ Measured run(int64_t variant, int64_t blocks, int64_t rounds) {
     case 9: return launch<64, false, 2, 2, 32768>(blocks, rounds);
     case 10: return launch<64, true, 2, 2, 32768>(blocks, rounds);
     case 11: return launch<128, false, 2, 1, 32768>(blocks, rounds);
+    case 12: return launch<32, false, 1, 2, 0>(blocks, rounds);
+    case 13: return launch<32, false, 2, 2, 0>(blocks, rounds);
+    case 14: return launch<32, true, 2, 2, 0>(blocks, rounds);
     default: TORCH_CHECK(false, "wgmma_rate: no variant ", variant, " (", kVariants, " of them)");
   }
 }
