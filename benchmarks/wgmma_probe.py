@@ -9,6 +9,10 @@ the descriptor's two byte offsets in the PTX ISA's order (leading: along K) or s
 
     python benchmarks/wgmma_probe.py            # builds benchmarks/wgmma_probe.cu for sm_90a
 
+Variant 6 checks the E = 256 column-halves design's P V_g instead: both operands in the kernels'
+128-byte swizzle, B MN-major, and an m64n32k16 on each 32-column half of B, its descriptor started
+64 bytes into the tile for the second (RESULTS.md, eighty-third session).
+
 Each variant runs in its own process, so that a faulting encoding does not stop the others.
 """
 import itertools
@@ -23,6 +27,7 @@ VARIANTS = {
     3: "A MN-major,  B MN-major",
     4: "A registers, B K-major",
     5: "A registers, B MN-major",
+    6: "A K-major,   B MN-major, 128-byte swizzle, m64n32k16 on each half of B's 64 columns",
 }
 # (bytes between core matrices along K, along M/N): packed along K first, or along M/N first
 STORAGES = [(128, 1024), (1024, 128)]
@@ -49,6 +54,15 @@ def run_variant(variant):
     gen = torch.Generator().manual_seed(variant)
     a = torch.randn(64, 64, generator=gen).bfloat16()
     b = torch.randn(64, 64, generator=gen).bfloat16()
+    if variant == 6:  # (b as V's chunk, [K][N]: each half of its columns, the descriptor 64 half bytes in)
+        for half in (0, 1):
+            out = module.probe_half_columns(a.cuda(), b.cuda(), half).cpu().double()
+            exact = a.double() @ b.double()[:, 32 * half:32 * half + 32]
+            error = ((out - exact).abs().max() / exact.abs().max()).item()
+            verdict = "match" if error < 1e-5 else "wrong"
+            print(f"{VARIANTS[variant]}: columns {32 * half}-{32 * half + 31}: {verdict} (relative error {error:.2e})",
+                  flush=True)
+        return
     exact = a.double() @ b.double().T
     for (stride_k, stride_mn), swap in itertools.product(STORAGES, (0, 1)):
         out = module.probe(a.cuda(), b.cuda(), variant, stride_k, stride_mn, swap).cpu().double()
