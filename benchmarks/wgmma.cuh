@@ -1,6 +1,7 @@
-// What the wgmma (sm_90a) experiments share (benchmarks/wgmma_probe.cu, wgmma_forward.cu): the
-// shared-memory operand descriptor, the m64n64k16 and m64n32k16 bf16 products with float32
-// accumulators, the warpgroup's fence / commit / wait, and bf16 packing.
+// What the wgmma (sm_90a) experiments share (benchmarks/wgmma_probe.cu, wgmma_forward.cu,
+// wgmma_rate.cu): the shared-memory operand descriptor (plain and in the 128-byte swizzle), the
+// m64n64k16 and m64n32k16 bf16 products with float32 accumulators, the warpgroup's fence / commit /
+// wait, and bf16 packing.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,6 +19,13 @@ __device__ __forceinline__ uint32_t smem_address(const void* p) {
 __device__ __forceinline__ uint64_t descriptor(uint32_t address, uint32_t leading, uint32_t stride) {
   return uint64_t((address & 0x3FFFF) >> 4) | (uint64_t((leading & 0x3FFFF) >> 4) << 16) |
          (uint64_t((stride & 0x3FFFF) >> 4) << 32);
+}
+
+// The same descriptor in the kernels' 128-byte swizzle (bits 62-63 = 1; csrc's wgmma_product.cuh):
+// stride byte offset 1024, the leading one unused while a tile is one swizzle atom (64 columns)
+// wide. The hardware swizzles the absolute address, so each tile starts at a multiple of 1024.
+__device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address) {
+  return descriptor(address, 1024, 1024) | (uint64_t(1) << 62);
 }
 
 #define WGMMA_D32(d)                                                                                             \
@@ -52,6 +60,17 @@ __device__ __forceinline__ void mma_rs(float (&d)[32], const uint32_t (&a)[4], u
       ", {%32, %33, %34, %35}, %36, p, 1, 1, %38;\n}\n"
       : WGMMA_D32(d)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1), "n"(kTransB));
+}
+// The same at N = 32 (d: 64 x 32, n-tiles j < 4 in d[4j ..]): half of a 64-column B
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_ss_n32(float (&d)[16], uint64_t a, uint64_t b, bool accumulate = true) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+      "%12, %13, %14, %15}, %16, %17, p, 1, 1, %19, %20;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(accumulate ? 1 : 0), "n"(kTransA), "n"(kTransB));
 }
 #undef WGMMA_D32
 #undef WGMMA_D32_LIST

@@ -80,20 +80,6 @@ __global__ void __launch_bounds__(128) probe_kernel(const __nv_bfloat16* a, cons
 // B's columns 32 half .. 32 half + 31 multiplied by an m64n32k16 whose descriptor starts 64 half
 // bytes into the tile, as the kernels' k16 steps start 32 s bytes in along K-major rows.
 __device__ int swizzled_at(int r, int c) { return 128 * r + 16 * ((c / 8) ^ (r % 8)) + 2 * (c % 8); }
-__device__ __forceinline__ uint64_t swizzled_descriptor(uint32_t address) {
-  return wgmma::descriptor(address, 1024, 1024) | (uint64_t(1) << 62);
-}
-// d (64 x 32 float32: warp w rows 16w + g (+8), n-tile j columns 8j + 2q (+1) in d[4j ..]) += A B,
-// A K-major, B MN-major (imm-trans-b 1)
-__device__ __forceinline__ void mma_ss_n32_b_mn(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
-      "%12, %13, %14, %15}, %16, %17, p, 1, 1, 0, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "l"(a), "l"(b));
-}
 // a: [64 m][64 k], v: [64 k][64 n], both row-major; out: [64][32] float32, a @ v[:, 32 half:][:, :32].
 __global__ void __launch_bounds__(128) half_columns_kernel(const __nv_bfloat16* a, const __nv_bfloat16* v, float* out,
                                                            int half) {
@@ -112,8 +98,8 @@ __global__ void __launch_bounds__(128) half_columns_kernel(const __nv_bfloat16* 
   wgmma::fence();
 #pragma unroll
   for (int s = 0; s < 4; ++s) {  // k16 step s: 32 bytes along A's rows, 16 rows (2048 bytes) down V's
-    mma_ss_n32_b_mn(d, swizzled_descriptor(wgmma::smem_address(a_s) + 32 * s),
-                    swizzled_descriptor(wgmma::smem_address(v_s) + 2048 * s + 64 * half));
+    wgmma::mma_ss_n32<0, 1>(d, wgmma::swizzled_descriptor(wgmma::smem_address(a_s) + 32 * s),
+                            wgmma::swizzled_descriptor(wgmma::smem_address(v_s) + 2048 * s + 64 * half));
   }
   wgmma::commit();
   wgmma::wait<0>();
@@ -129,7 +115,8 @@ torch::Tensor probe_half_columns(torch::Tensor a, torch::Tensor v, int64_t half)
   TORCH_CHECK(half == 0 || half == 1, "half: 0 or 1");
   auto out = torch::empty({kN, kN / 2}, a.options().dtype(at::kFloat));
   half_columns_kernel<<<1, 128>>>(reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()),
-                                  reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), out.data_ptr<float>(), int(half));
+                                  reinterpret_cast<const __nv_bfloat16*>(v.data_ptr()), out.data_ptr<float>(),
+                                  int(half));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }

@@ -47,6 +47,12 @@ def load():
     return build_sm90a("wgmma_probe", "wgmma_probe.cu")
 
 
+def verdict_of(out, exact):
+    """Whether the GPU's product matches float64's within float32 rounding, and by how much."""
+    error = ((out.cpu().double() - exact).abs().max() / exact.abs().max()).item()
+    return f"{'match' if error < 1e-5 else 'wrong'} (relative error {error:.2e})"
+
+
 def run_variant(variant):
     import torch
 
@@ -56,21 +62,17 @@ def run_variant(variant):
     b = torch.randn(64, 64, generator=gen).bfloat16()
     if variant == 6:  # (b as V's chunk, [K][N]: each half of its columns, the descriptor 64 half bytes in)
         for half in (0, 1):
-            out = module.probe_half_columns(a.cuda(), b.cuda(), half).cpu().double()
-            exact = a.double() @ b.double()[:, 32 * half:32 * half + 32]
-            error = ((out - exact).abs().max() / exact.abs().max()).item()
-            verdict = "match" if error < 1e-5 else "wrong"
-            print(f"{VARIANTS[variant]}: columns {32 * half}-{32 * half + 31}: {verdict} (relative error {error:.2e})",
-                  flush=True)
+            out = module.probe_half_columns(a.cuda(), b.cuda(), half)
+            verdict = verdict_of(out, a.double() @ b.double()[:, 32 * half:32 * half + 32])
+            print(f"{VARIANTS[variant]}: columns {32 * half}-{32 * half + 31}: {verdict}", flush=True)
         return
     exact = a.double() @ b.double().T
     for (stride_k, stride_mn), swap in itertools.product(STORAGES, (0, 1)):
-        out = module.probe(a.cuda(), b.cuda(), variant, stride_k, stride_mn, swap).cpu().double()
-        error = ((out - exact).abs().max() / exact.abs().max()).item()
+        out = module.probe(a.cuda(), b.cuda(), variant, stride_k, stride_mn, swap)
         offsets = f"leading {stride_mn if swap else stride_k:4}, stride {stride_k if swap else stride_mn:4}"
-        verdict = "match" if error < 1e-5 else "wrong"
+        verdict = verdict_of(out, exact)
         print(f"{VARIANTS[variant]}  core matrices {stride_k:4} B along K, {stride_mn:4} B along M/N; "
-              f"descriptor {offsets}: {verdict} (relative error {error:.2e})", flush=True)
+              f"descriptor {offsets}: {verdict}", flush=True)
 
 
 def main():

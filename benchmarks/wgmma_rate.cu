@@ -49,9 +49,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4]
 // four registers of mma.sync's A fragment)
 template <>  // (N = 32: half a tile's columns, as a warpgroup owning 32 of them would multiply)
 __device__ __forceinline__ void mma_ss<32>(float (&d)[16], uint64_t a, uint64_t b) {
-  asm volatile(RATE_SCALE_D RATE_WGMMA(32) RATE_REGS_0_16 "}, %16, %17, p, 1, 1, 0, 0;\n}\n"
-               : RATE_D8(d, 0), RATE_D8(d, 8)
-               : "l"(a), "l"(b));
+  wgmma::mma_ss_n32<0, 0>(d, a, b);
 }
 template <>  // (N = 64: the kernels' own, wgmma.cuh's)
 __device__ __forceinline__ void mma_ss<64>(float (&d)[32], uint64_t a, uint64_t b) {
@@ -89,11 +87,8 @@ __device__ __forceinline__ void mma_rs<128>(float (&d)[64], const uint32_t (&a)[
 using wgmma::commit;
 using wgmma::fence;
 using wgmma::wait;
-// The kernels' operand descriptor (wgmma_product.cuh): the 128-byte swizzle (bits 62-63 = 1),
-// stride byte offset 1024 (the leading one unused K-major).
-__device__ __forceinline__ uint64_t descriptor(uint32_t address) {
-  return wgmma::descriptor(address, 1024, 1024) | (uint64_t(1) << 62);
-}
+// The kernels' operand descriptor (wgmma_product.cuh): the 128-byte swizzle
+using wgmma::swizzled_descriptor;
 
 constexpr int kATile = 64 * 128;  // bytes: 64 rows of 64 bf16
 constexpr int kScratch = 64 * 1024;
@@ -132,9 +127,9 @@ __global__ void __launch_bounds__(128 * kGroups, 1) rate_kernel(long long* cycle
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         if constexpr (kRegisterA) {
-          mma_rs<N>(d[c], a_regs[s], descriptor(b_tile + 32 * s));
+          mma_rs<N>(d[c], a_regs[s], swizzled_descriptor(b_tile + 32 * s));
         } else {
-          mma_ss<N>(d[c], descriptor(a_tile + 32 * s), descriptor(b_tile + 32 * s));
+          mma_ss<N>(d[c], swizzled_descriptor(a_tile + 32 * s), swizzled_descriptor(b_tile + 32 * s));
         }
       }
     commit();
