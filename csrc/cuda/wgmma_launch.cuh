@@ -154,13 +154,22 @@ bool wgmma_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
 // 4); so does every float32 pass (224 KB). A lone segment stays lone: 8,16,2048,64 (128 pairs) in
 // two segments was not measured since the swizzled staging (before it, slower: sixteenth session).
 // Doubling rereads more: every segment but the last sums its own k and v before its pass reads
-// them again, 2 (S - 1) / S tensors beside the pass's 4, so it doubles only from 4 segments on
+// them again, 2 (S - 1) / S tensors beside the pass's 4, so 2 segments never double
 // (2 -> 4 adds 10% to the bytes; 4 -> 8 5%, 16 -> 32 1%): at 4,16,8192,64 (64 pairs, 2 segments
 // a wave) bf16 forward kernels 0.1323 ms in 4 segments, 0.1225 in 2, fp16 0.1330 and 0.1249
 // (H100, RESULTS.md, sixty-first session); fwd+bwd there, the one pass in the forward's segments,
 // 0.331 ms of GPU time in 2 against 0.352 in 4 bf16, 0.336 and 0.358 fp16 (H100, seventy-first
-// session); 1,8,16384,64 keeps 32 (0.0425 against 0.0489 in 16).
-constexpr int64_t kMinSegmentsToDouble = 4;
+// session); 1,8,16384,64 keeps 32 (0.0425 against 0.0489 in 16). From 16 segments on (8 pairs
+// and fewer on 132 multiprocessors): at 16-32 pairs and E = 64 the doubled counts (16, 13, 11, 8;
+// up to 16 in one launch, whose look-back grows with the count) lost to one wave's on the H100,
+// bf16 GPU time fwd / fwd+bwd ms: 1,16,8192,64 16 segments 0.059 / 0.143, 8 0.039 / 0.107;
+// 1,32,8192,64 8 0.083 / 0.209, 4 0.068 / 0.187 (RESULTS.md, eighty-first and eighty-third
+// sessions). With 16 the threshold (eighty-fourth session, H100): 1,12,8192,64 0.033 / 0.088 in
+// 11 against the old 16's 0.049 / 0.125; 1,10,16384,64 0.053 / 0.138 in 13, the old 27 0.054 /
+// 0.140; 1,8,16384,64 unchanged, 0.046 / 0.120 (16: 0.047 / 0.121). The H200 measured 16 at 0.037
+// against 8 at 0.040 (forward kernels, eighteenth session, older kernels, three launches): not
+// yet measured there on these kernels.
+constexpr int64_t kMinSegmentsToDouble = 16;
 inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem) {
   using wgmma::C;
   if (p.cu_seqlens != nullptr) return 1;
