@@ -1,0 +1,233 @@
+// A prototype of the E = M = 256 forward in column halves (benchmarks/RESULTS.md, eighty-third
+// session: "E = 256 column-halves design"), to measure before any change to wgmma_product_kernel:
+// bfloat16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, no normalize, no states, no
+// segments; one block a (batch, head, 64-column tile of V and O) walking all of L, as the
+// library's four-atom forward does at 4,16,2048,256 (256 pairs: one segment).
+//
+// The library's four-atom forward splits the state's 256 rows between its two consumer
+// warpgroups (two atoms each): each makes partial scores and a partial output over its half of
+// E, and the second's partial output is added to the first's through shared memory every chunk,
+// which couples the two groups' chains. Here each consumer group g owns 32 of the tile's 64
+// columns and all 256 rows of the state (four m64n32 accumulators, 64 registers a thread), and
+// the producer warpgroup computes the chunk's masked scores P once (16 m64n64k16 over E = 256)
+// into a 2-tile ring before it announces the chunk. A group's chain a chunk:
+//
+//   acc = Q [S_hi | S_lo]      16 m64n64k16 (its copy as one 256 x 64 B: its hi and lo parts
+//                              side by side; the two halves of acc added at the end)
+//   S_g += K^T V_g             16 m64n32k16 (A = K^T from the staged K, MN-major; B = V's
+//                              32-column half g, the descriptor 64 g bytes into the swizzled tile)
+//   pv = P V_g                 4 m64n32k16
+//   O_g = acc_hi + acc_lo + pv, staged over V's half g (read by this group alone), stored
+//
+// with no exchange between the groups: 26 m64n64k16-equivalents each, 68 a block with the
+// producer's 16 (72 in the row split). Shared memory: two stage slots of Q (4 atoms), K (4) and
+// V's tile (1), 144 KB; the groups' copies, 32 KB each; P's ring, 16 KB: 224 KB, as the row split.
+// Everything shared with the library (descriptors, the staging, the producer's ring, the mask,
+// stmatrix of fragments) is csrc/cuda/wgmma_product.cuh's; the m64n32k16 product is
+// benchmarks/wgmma.cuh's. benchmarks/columns256.py builds this, checks it against float64 and
+// against the library, and times it beside the library's forward.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/extension.h>
+
+#include "wgmma.cuh"
+#include "wgmma_product.cuh"
+
+namespace columns256 {
+
+namespace fw = fast_causal_attn::cuda::wgmma;
+using fast_causal_attn::cuda::kWarp;
+
+constexpr int kAtoms = 4;                      // E = 256: Q's and K's 64-column atoms
+constexpr int kWidth = 64 * kAtoms;            // E = M
+constexpr int kDepth = 2;                      // stage slots
+constexpr int kSlotTiles = 2 * kAtoms + 1;     // Q's atoms, K's atoms, V's column tile
+constexpr int kCopyAt = kDepth * kSlotTiles;   // group g's copy: tiles kCopyAt + kAtoms g on (state rows 64 a)
+constexpr int kScoresAt = kCopyAt + 2 * kAtoms;  // P's ring: chunk it's P at kScoresAt + it % kDepth
+constexpr int kSmemBytes = (kScoresAt + kDepth) * fw::kTile;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+constexpr int kBlockThreads = 3 * fw::kThreads;  // two consumer groups, then the producer
+// named barriers: 0 is __syncthreads; the ring's full and empty ones (kFull + slot, kFull + kDepth
+// + slot, all 384 threads); each group's own; the producer's (its copies landed, before the scores)
+constexpr int kFull = 1, kGroupBarrier = kFull + 2 * kDepth, kLandedBarrier = kGroupBarrier + 2;
+
+struct Rows {  // fw::Stager's view of an operand: its pointer and row stride (elements)
+  const void* ptr;
+  int64_t stride;
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// This group's state (state[a]: rows 64 a + 16 warp + g (+8), its columns 8 j + 2 q4 (+1), j < 4)
+// into its copy: tile a holds rows 64 a on, hi = bf16(S) in columns 0-31, lo = bf16(S - hi) in
+// 32-63, in the staged layout (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), by
+// stmatrix as fw::StateCopy::store_parts (matrix m of a store: n-tile 2 k + m / 2, rows + 8 (m % 2)).
+__device__ __forceinline__ void publish_copy(uint32_t copy, const float (&state)[kAtoms][16]) {
+  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
+  const uint32_t row = copy + (16 * warp + 8 * (i % 2) + r) * 128;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const uint32_t to_hi = row + (((2 * k + i / 2) ^ r) * 16), to_lo = row + (((4 + 2 * k + i / 2) ^ r) * 16);
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
+        const float x = state[a][v], y = state[a][v + 1];
+        hi[m] = fw::pack<false>(x, y);
+        lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
+      }
+      fw::store_matrices(to_hi + a * fw::kTile, hi);
+      fw::store_matrices(to_lo + a * fw::kTile, lo);
+    }
+  }
+}
+
+// This group's 64 x 32 outputs of the chunk (out: the accumulator layout, n-tiles j < 4) rounded
+// into V's half `half` of the staged tile at v_tile (its logical columns 32 half on: the same
+// swizzled bytes V's half held), each warp its 16 rows, then written 16 bytes a lane to rows
+// [row0, row0 + 64) of o, columns col0 on.
+__device__ __forceinline__ void store_outputs(const float (&out)[16], uint32_t v_tile, unsigned char* v_bytes, int half,
+                                              __nv_bfloat16* o, int64_t col0) {
+  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
+  const uint32_t row = v_tile + (16 * warp + 8 * (i % 2) + r) * 128;
+  __syncwarp();
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    uint32_t x[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
+      x[m] = fw::pack<false>(out[v], out[v + 1]);
+    }
+    fw::store_matrices(row + (((4 * half + 2 * k + i / 2) ^ r) * 16), x);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {  // the warp's 16 rows x 4 groups of 8 columns
+    const int piece = lane + kWarp * t, rr = 16 * warp + piece / 4, c = piece % 4;
+    const uint4 x = *reinterpret_cast<const uint4*>(v_bytes + rr * 128 + (((4 * half + c) ^ (rr % 8)) * 16));
+    *reinterpret_cast<uint4*>(o + rr * kWidth + col0 + 8 * c) = x;
+  }
+}
+#endif
+
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
+                   int64_t L) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = fw::smem_address(smem);
+  const int64_t pair = blockIdx.x / kAtoms, col_tile = blockIdx.x % kAtoms;  // a pair's tiles run together (L2)
+  const int64_t pair_offset = pair * L * kWidth;
+  const int64_t chunks = L / fw::C;
+  auto tile = [&](int slot, int which) { return base + uint32_t(slot * kSlotTiles + which) * fw::kTile; };
+  auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kDepth)) * fw::kTile; };
+  using Ring = fw::ProducedRing<kDepth>;
+  const int group = fw::warpgroup();
+
+  if (group == 2) {  // the producer: Q, K and V's tile staged, then P
+    const fw::Stager stage(int(threadIdx.x % fw::kThreads));
+    fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, 0, kWidth);
+    fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, 0, kWidth);
+    fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, 0, kWidth, 64 * col_tile);
+    auto stage_chunk = [&](int64_t it, int slot) {
+      if (it < chunks) {
+        stage.operator()<false, kAtoms>(tile(slot, 0), q_src, q, fw::C);
+        stage.operator()<false, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
+        stage.operator()<false, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
+      }
+      fw::StageRing<kDepth>::commit_copies();  // (empty past the last chunk: the count in flight holds)
+    };
+    Ring(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
+      fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
+      float score[32];
+      fw::fence();
+      fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
+      fw::commit();
+      fw::wait<0>();
+      uint32_t masked[4][4];
+      fw::masked_fragments<false, false>(masked, score);
+      // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's slot was refilled)
+      fw::store_fragments(scores_tile(it), masked);
+      fw::fence_shared_writes();
+    });
+    return;
+  }
+
+  // a consumer group: columns 32 group on of the tile
+  Ring ring(kFull, kBlockThreads);
+  const uint32_t copy = base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile;
+  float state[kAtoms][16];
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+    for (int i = 0; i < 16; ++i) state[a][i] = 0.f;
+  publish_copy(copy, state);
+  fw::fence_shared_writes();
+  fw::named_sync(kGroupBarrier + group, fw::kThreads);
+  __nv_bfloat16* const out = o + pair_offset;
+  const int64_t col0 = 64 * col_tile + 32 * group;
+  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
+    ring.wait();  // chunk it's Q, K, V and P
+    const int slot = ring.slot;
+    const uint32_t v_tile = tile(slot, 2 * kAtoms);
+    float acc[32], pv[16];
+    fw::fence();
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)  // Q [S_hi | S_lo]: K = the state's rows, 64 a an atom
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
+                                a > 0 || s > 0);
+    fw::commit();
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)  // S_g += K^T V_g
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
+                                  fw::k_along_rows(v_tile, s, 64 * group));
+    fw::commit();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // P V_g
+      ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
+                                s > 0);
+    fw::commit();
+    fw::wait<1>();  // Q S (the copy read) and the update in: the next chunk's copy
+    publish_copy(copy, state);
+    fw::fence_shared_writes();
+    fw::wait<0>();
+    float o_g[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
+    store_outputs(o_g, v_tile, smem + (v_tile - base), group, out + it * fw::C * kWidth, col0);
+    ring.release(it, chunks);
+    fw::named_sync(kGroupBarrier + group, fw::kThreads);  // the group's copy whole before its next reads
+  }
+#endif
+}
+
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
+                    t->size(3) == kWidth && t->sizes() == q.sizes(),
+                "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
+  }
+  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
+  TORCH_CHECK(L % fw::C == 0, "columns256: L a multiple of 64, got ", L);
+  auto o = torch::empty_like(q);
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    configured = true;
+  }
+  auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
+  forward_kernel<<<dim3(unsigned(B * H * kAtoms)), kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), L);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return o;
+}
+
+}  // namespace columns256
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &columns256::forward); }

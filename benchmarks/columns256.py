@@ -1,0 +1,80 @@
+"""Checks and times the E = M = 256 column-halves forward prototype (benchmarks/columns256.cu) beside
+this library's forward (the four-atom row split):
+
+    python benchmarks/columns256.py [--shapes "B,H,L;..."]
+    compute-sanitizer --tool racecheck python benchmarks/columns256.py --check-only
+
+bf16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, unnormalized; q and k N(0, 1/E), v
+N(0, 1) (issue 5's inputs). Correctness first: against float64 at a small shape beside this
+library's error there, and against this library at each timed shape; then do_bench medians of
+both beside the HBM floor (read q, k, v, write o at the copy bandwidth measured here).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from wgmma_probe import build_sm90a  # noqa: E402
+
+E = 256
+
+
+def load():
+    """The prototype JIT-built for sm_90a (no build of the library needed: `python -c "import
+    columns256; columns256.load()"` from benchmarks/ builds it beside the library's build)."""
+    csrc = os.path.join(os.path.dirname(HERE), "csrc", "cuda")
+    return build_sm90a("columns256", "columns256.cu", [f"-I{csrc}", "-DFAST_CAUSAL_ATTN_WITH_CUDA"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="4,16,2048;2,16,4096;8,16,1024")
+    parser.add_argument("--check-only", action="store_true", help="the float64 check alone (under a sanitizer)")
+    args = parser.parse_args()
+    import triton.testing
+
+    import fast_causal_attn
+    from wgmma_forward import reference, relative_error
+
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(B, H, L):
+        q, k = (torch.randn(B, H, L, E, generator=gen) / E**0.5 for _ in range(2))
+        v = torch.randn(B, H, L, E, generator=gen)
+        return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+
+    module = load()
+    q, k, v = inputs(2, 3, 640)  # ten chunks: the state carried across chunks and both stage slots
+    exact = reference(q.cpu(), k.cpu(), v.cpu())
+    ours = relative_error(module.forward(q, k, v).cpu(), exact)
+    library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
+    verdict = "match" if ours <= 1.25 * library + 1e-4 else "WRONG"
+    print(f"float64 check, 2,3,640,256: prototype {ours:.2e}, this library {library:.2e}: {verdict}", flush=True)
+    if verdict != "match" or args.check_only:
+        return
+
+    buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    copy_ms = triton.testing.do_bench(lambda: buffer.clone(), return_mode="median")
+    bandwidth = 2 * buffer.numel() / (copy_ms * 1e-3)
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    for shape in args.shapes.split(";"):
+        B, H, L = (int(x) for x in shape.split(","))
+        q, k, v = inputs(B, H, L)
+        floor = 4 * q.numel() * 2 / bandwidth * 1e3
+        expected = fast_causal_attn.causal_dot_product(q, k, v).double()
+        error = relative_error(module.forward(q, k, v), expected)
+        for name, fn in (("prototype", lambda: module.forward(q, k, v)),
+                         ("fast_causal_attn", lambda: fast_causal_attn.causal_dot_product(q, k, v)),
+                         ("prototype again", lambda: module.forward(q, k, v))):
+            ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            check = f"  vs this library {error:.1e}" if name == "prototype" else ""
+            print(f"{B},{H},{L},{E} {name:18} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
