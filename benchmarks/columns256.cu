@@ -2,7 +2,8 @@
 // session: "E = 256 column-halves design"), to measure before any change to wgmma_product_kernel:
 // bfloat16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, no normalize, no states, no
 // segments; one block a (batch, head, 64-column tile of V and O) walking all of L, as the
-// library's four-atom forward does at 4,16,2048,256 (256 pairs: one segment).
+// library's four-atom forward does at 4,16,2048,256 (256 pairs: one segment); and the same walked
+// backward with the mask reversed (kReverse: the shape of the backward's dk and dv passes).
 //
 // The library's four-atom forward splits the state's 256 rows between its two consumer
 // warpgroups (two atoms each): each makes partial scores and a partial output over its half of
@@ -112,8 +113,11 @@ __device__ __forceinline__ void store_outputs(const float (&out)[16], uint32_t v
 }
 #endif
 
+// kReverse: time walked backward with the mask t <= s kept (the shape of the backward's dk and dv
+// passes: out[t] = sum over s >= t), the chunks from the last to the first.
+template <bool kReverse>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    forward_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
+    product_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
                    int64_t L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -121,6 +125,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const int64_t pair = blockIdx.x / kAtoms, col_tile = blockIdx.x % kAtoms;  // a pair's tiles run together (L2)
   const int64_t pair_offset = pair * L * kWidth;
   const int64_t chunks = L / fw::C;
+  const int64_t first = kReverse ? L - fw::C : 0;                            // the first chunk's first row
+  auto chunk_of = [&](int64_t it) { return kReverse ? chunks - 1 - it : it; };  // walk step it's chunk
   auto tile = [&](int slot, int which) { return base + uint32_t(slot * kSlotTiles + which) * fw::kTile; };
   auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kDepth)) * fw::kTile; };
   using Ring = fw::ProducedRing<kDepth>;
@@ -128,14 +134,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 
   if (group == 2) {  // the producer: Q, K and V's tile staged, then P
     const fw::Stager stage(int(threadIdx.x % fw::kThreads));
-    fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, 0, kWidth);
-    fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, 0, kWidth);
-    fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, 0, kWidth, 64 * col_tile);
+    fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, first, kWidth);
+    fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, first, kWidth);
+    fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, first, kWidth, 64 * col_tile);
     auto stage_chunk = [&](int64_t it, int slot) {
       if (it < chunks) {
-        stage.operator()<false, kAtoms>(tile(slot, 0), q_src, q, fw::C);
-        stage.operator()<false, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
-        stage.operator()<false, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
+        stage.operator()<kReverse, kAtoms>(tile(slot, 0), q_src, q, fw::C);
+        stage.operator()<kReverse, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
+        stage.operator()<kReverse, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
       }
       fw::StageRing<kDepth>::commit_copies();  // (empty past the last chunk: the count in flight holds)
     };
@@ -147,7 +153,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       fw::commit();
       fw::wait<0>();
       uint32_t masked[4][4];
-      fw::masked_fragments<false, false>(masked, score);
+      fw::masked_fragments<false, kReverse>(masked, score);
       // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's slot was refilled)
       fw::store_fragments(scores_tile(it), masked);
       fw::fence_shared_writes();
@@ -200,31 +206,41 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     float o_g[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
-    store_outputs(o_g, v_tile, smem + (v_tile - base), group, out + it * fw::C * kWidth, col0);
+    store_outputs(o_g, v_tile, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
     ring.release(it, chunks);
     fw::named_sync(kGroupBarrier + group, fw::kThreads);  // the group's copy whole before its next reads
   }
 #endif
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+template <bool kReverse>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o) {
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(product_kernel<kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kSmemBytes));
+    configured = true;
+  }
+  auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
+  const unsigned blocks = unsigned(q.size(0) * q.size(1) * kAtoms);
+  product_kernel<kReverse><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), q.size(2));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse) {
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
                     t->size(3) == kWidth && t->sizes() == q.sizes(),
                 "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
   }
-  const int64_t B = q.size(0), H = q.size(1), L = q.size(2);
-  TORCH_CHECK(L % fw::C == 0, "columns256: L a multiple of 64, got ", L);
+  TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
   auto o = torch::empty_like(q);
-  static bool configured = false;
-  if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(forward_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    configured = true;
+  if (reverse) {
+    launch<true>(q, k, v, o);
+  } else {
+    launch<false>(q, k, v, o);
   }
-  auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
-  forward_kernel<<<dim3(unsigned(B * H * kAtoms)), kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
-      bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), L);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return o;
 }
 

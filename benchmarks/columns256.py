@@ -1,5 +1,6 @@
 """Checks and times the E = M = 256 column-halves forward prototype (benchmarks/columns256.cu) beside
-this library's forward (the four-atom row split):
+this library's forward (the four-atom row split), and its reverse direction (out[t] = sum over s >=
+t: the backward's dk and dv passes' shape) beside itself forward:
 
     python benchmarks/columns256.py [--shapes "B,H,L;..."]
     compute-sanitizer --tool racecheck python benchmarks/columns256.py --check-only
@@ -51,10 +52,12 @@ def main():
     module = load()
     q, k, v = inputs(2, 3, 640)  # ten chunks: the state carried across chunks and both stage slots
     exact = reference(q.cpu(), k.cpu(), v.cpu())
-    ours = relative_error(module.forward(q, k, v).cpu(), exact)
+    ours = relative_error(module.forward(q, k, v, False).cpu(), exact)
+    reverse = relative_error(module.forward(q, k, v, True).cpu(), reference(q.cpu(), k.cpu(), v.cpu(), reverse=True))
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
-    verdict = "match" if ours <= 1.25 * library + 1e-4 else "WRONG"
-    print(f"float64 check, 2,3,640,256: prototype {ours:.2e}, this library {library:.2e}: {verdict}", flush=True)
+    verdict = "match" if max(ours, reverse) <= 1.25 * library + 1e-4 else "WRONG"
+    print(f"float64 check, 2,3,640,256: prototype {ours:.2e}, reversed {reverse:.2e}, this library {library:.2e}: "
+          f"{verdict}", flush=True)
     if verdict != "match" or args.check_only:
         return
 
@@ -67,12 +70,19 @@ def main():
         q, k, v = inputs(B, H, L)
         floor = 4 * q.numel() * 2 / bandwidth * 1e3
         expected = fast_causal_attn.causal_dot_product(q, k, v).double()
-        error = relative_error(module.forward(q, k, v), expected)
-        for name, fn in (("prototype", lambda: module.forward(q, k, v)),
+        error = relative_error(module.forward(q, k, v, False), expected)
+        # the library's reverse direction: its forward on the time-reversed sequences (flipped here,
+        # outside the timing), reversed
+        flipped = [x.flip(2).contiguous() for x in (q, k, v)]
+        error_reverse = relative_error(module.forward(q, k, v, True),
+                                       fast_causal_attn.causal_dot_product(*flipped).flip(2).double())
+        checks = {"prototype": error, "prototype reversed": error_reverse}
+        for name, fn in (("prototype", lambda: module.forward(q, k, v, False)),
                          ("fast_causal_attn", lambda: fast_causal_attn.causal_dot_product(q, k, v)),
-                         ("prototype again", lambda: module.forward(q, k, v))):
+                         ("prototype reversed", lambda: module.forward(q, k, v, True)),
+                         ("prototype again", lambda: module.forward(q, k, v, False))):
             ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            check = f"  vs this library {error:.1e}" if name == "prototype" else ""
+            check = f"  vs this library {checks[name]:.1e}" if name in checks else ""
             print(f"{B},{H},{L},{E} {name:18} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
 
 
