@@ -58,50 +58,52 @@ struct Rows {  // fw::Stager's view of an operand: its pointer and row stride (e
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// stmatrix of an accumulator's n-tiles 2 k and 2 k + 1 (64 rows, 16 columns) into a staged tile
+// (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), fw::StateCopy::store_parts'
+// mapping: matrix m of a store holds n-tile 2 k + m / 2, rows + 8 (m % 2), each lane's pair of it
+// at d[entry(k, m)]; lane l gives the address of row l % 8 of matrix l / 8, whose 16-byte group
+// in the row is `group` + (l / 8) / 2 before the swizzle.
+__device__ __forceinline__ int entry(int k, int m) { return 4 * (2 * k + m / 2) + 2 * (m % 2); }
+__device__ __forceinline__ uint32_t matrix_row(uint32_t tile, int group) {
+  const int lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
+  return tile + (16 * fw::group_warp() + 8 * (i % 2) + r) * 128 + (((group + i / 2) ^ r) * 16);
+}
+
 // This group's state (state[a]: rows 64 a + 16 warp + g (+8), its columns 8 j + 2 q4 (+1), j < 4)
-// into its copy: tile a holds rows 64 a on, hi = bf16(S) in columns 0-31, lo = bf16(S - hi) in
-// 32-63, in the staged layout (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), by
-// stmatrix as fw::StateCopy::store_parts (matrix m of a store: n-tile 2 k + m / 2, rows + 8 (m % 2)).
+// into its copy: tile a holds rows 64 a on, hi = bf16(S) in columns 0-31 (groups 0-3), lo =
+// bf16(S - hi) in 32-63 (groups 4-7).
 __device__ __forceinline__ void publish_copy(uint32_t copy, const float (&state)[kAtoms][16]) {
-  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
-  const uint32_t row = copy + (16 * warp + 8 * (i % 2) + r) * 128;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    const uint32_t to_hi = row + (((2 * k + i / 2) ^ r) * 16), to_lo = row + (((4 + 2 * k + i / 2) ^ r) * 16);
 #pragma unroll
     for (int a = 0; a < kAtoms; ++a) {
       uint32_t hi[4], lo[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
-        const float x = state[a][v], y = state[a][v + 1];
+        const float x = state[a][entry(k, m)], y = state[a][entry(k, m) + 1];
         hi[m] = fw::pack<false>(x, y);
         lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
       }
-      fw::store_matrices(to_hi + a * fw::kTile, hi);
-      fw::store_matrices(to_lo + a * fw::kTile, lo);
+      fw::store_matrices(matrix_row(copy + a * fw::kTile, 2 * k), hi);
+      fw::store_matrices(matrix_row(copy + a * fw::kTile, 4 + 2 * k), lo);
     }
   }
 }
 
 // This group's 64 x 32 outputs of the chunk (out: the accumulator layout, n-tiles j < 4) rounded
-// into V's half `half` of the staged tile at v_tile (its logical columns 32 half on: the same
-// swizzled bytes V's half held), each warp its 16 rows, then written 16 bytes a lane to rows
-// [row0, row0 + 64) of o, columns col0 on.
-__device__ __forceinline__ void store_outputs(const float (&out)[16], uint32_t v_tile, unsigned char* v_bytes, int half,
+// into V's half `half` of the staged tile at v_bytes (its logical columns 32 half on: the same
+// swizzled bytes V's half held), each warp its 16 rows, then written 16 bytes a lane to o's first
+// 64 rows (o: the chunk's first row), columns col0 on.
+__device__ __forceinline__ void store_outputs(const float (&out)[16], unsigned char* v_bytes, int half,
                                               __nv_bfloat16* o, int64_t col0) {
-  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
-  const uint32_t row = v_tile + (16 * warp + 8 * (i % 2) + r) * 128;
+  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp;
   __syncwarp();
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint32_t x[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
-      x[m] = fw::pack<false>(out[v], out[v + 1]);
-    }
-    fw::store_matrices(row + (((4 * half + 2 * k + i / 2) ^ r) * 16), x);
+    for (int m = 0; m < 4; ++m) x[m] = fw::pack<false>(out[entry(k, m)], out[entry(k, m) + 1]);
+    fw::store_matrices(matrix_row(fw::smem_address(v_bytes), 4 * half + 2 * k), x);
   }
   __syncwarp();
 #pragma unroll
@@ -206,7 +208,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     float o_g[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
-    store_outputs(o_g, v_tile, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
+    store_outputs(o_g, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
     ring.release(it, chunks);
     fw::named_sync(kGroupBarrier + group, fw::kThreads);  // the group's copy whole before its next reads
   }
