@@ -48,9 +48,21 @@ constexpr int kScoresAt = kCopyAt + 2 * kAtoms;  // P's ring: chunk it's P at kS
 constexpr int kSmemBytes = (kScoresAt + kDepth) * fw::kTile;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
 constexpr int kBlockThreads = 3 * fw::kThreads;  // two consumer groups, then the producer
-// named barriers: 0 is __syncthreads; the ring's full and empty ones (kFull + slot, kFull + kDepth
-// + slot, all 384 threads); each group's own; the producer's (its copies landed, before the scores)
-constexpr int kFull = 1, kGroupBarrier = kFull + 2 * kDepth, kLandedBarrier = kGroupBarrier + 2;
+// How the two consumer groups meet the ring (Schedule): kShared, one full barrier a slot for all
+// 384 threads, so a group starts chunk it only once the other has finished chunk it - 1 and the
+// two run their products and their copies in lock step; kOwnFull, a full barrier a slot for each
+// group (the producer arrives on both), so they drift apart as far as the slots let them;
+// kPingPong, own full barriers and the groups take turns issuing their products (turn barriers,
+// as flash-attention 3's two consumer warpgroups do), so one group's copy and stores run while
+// the other's products hold the tensor cores.
+enum Schedule : int { kShared = 0, kOwnFull = 1, kPingPong = 2 };
+// named barriers: 0 is __syncthreads; the ring's full ones (kFull + kDepth g + slot: group g's,
+// 256 threads; kShared: kFull + slot, 384), its empty ones (kEmpty + slot, 384); each group's own;
+// the producer's (its copies landed, before the scores); the turns (kTurn + g: group g may issue)
+constexpr int kFull = 1, kEmpty = kFull + 2 * kDepth, kGroupBarrier = kEmpty + kDepth,
+              kLandedBarrier = kGroupBarrier + 2, kTurn = kLandedBarrier + 1;
+static_assert(kTurn + 1 < 16, "named barriers");
+constexpr int kPairThreads = 2 * fw::kThreads;  // a group's full barrier or a turn: it and one other warpgroup
 
 struct Rows {  // fw::Stager's view of an operand: its pointer and row stride (elements)
   const void* ptr;
@@ -117,7 +129,7 @@ __device__ __forceinline__ void store_outputs(const float (&out)[16], unsigned c
 
 // kReverse: time walked backward with the mask t <= s kept (the shape of the backward's dk and dv
 // passes: out[t] = sum over s >= t), the chunks from the last to the first.
-template <bool kReverse>
+template <bool kReverse, int kSchedule>
 __global__ void __launch_bounds__(kBlockThreads, 1)
     product_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
                    int64_t L) {
@@ -131,7 +143,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   auto chunk_of = [&](int64_t it) { return kReverse ? chunks - 1 - it : it; };  // walk step it's chunk
   auto tile = [&](int slot, int which) { return base + uint32_t(slot * kSlotTiles + which) * fw::kTile; };
   auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kDepth)) * fw::kTile; };
-  using Ring = fw::ProducedRing<kDepth>;
   const int group = fw::warpgroup();
 
   if (group == 2) {  // the producer: Q, K and V's tile staged, then P
@@ -147,7 +158,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       }
       fw::StageRing<kDepth>::commit_copies();  // (empty past the last chunk: the count in flight holds)
     };
-    Ring(kFull, kBlockThreads).produce(chunks, stage_chunk, [&](int64_t it, int slot) {
+    // fw::ProducedRing::produce's walk (kDepth = 2: one chunk staged ahead), announcing each chunk
+    // to each group on its own barrier where the schedule asks
+    stage_chunk(0, 0);
+    for (int64_t it = 0; it < chunks; ++it) {
+      const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
+      fw::fence_shared_writes();
       fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
       float score[32];
       fw::fence();
@@ -159,12 +176,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's slot was refilled)
       fw::store_fragments(scores_tile(it), masked);
       fw::fence_shared_writes();
-    });
+      if constexpr (kSchedule == kShared) {
+        fw::named_arrive(kFull + slot, kBlockThreads);
+      } else {
+        fw::named_arrive(kFull + slot, kPairThreads);
+        fw::named_arrive(kFull + kDepth + slot, kPairThreads);
+      }
+      // both groups done with chunk it - 1: its slot takes chunk it + 1
+      if (it > 0 && it + 1 < chunks) fw::named_sync(kEmpty + refill, kBlockThreads);
+      stage_chunk(it + 1, refill);
+    }
     return;
   }
 
   // a consumer group: columns 32 group on of the tile
-  Ring ring(kFull, kBlockThreads);
   const uint32_t copy = base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile;
   float state[kAtoms][16];
 #pragma unroll
@@ -176,9 +201,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   fw::named_sync(kGroupBarrier + group, fw::kThreads);
   __nv_bfloat16* const out = o + pair_offset;
   const int64_t col0 = 64 * col_tile + 32 * group;
-  for (int64_t it = 0; it < chunks; ++it, ring.advance()) {
-    ring.wait();  // chunk it's Q, K, V and P
-    const int slot = ring.slot;
+  if (kSchedule == kPingPong && group == 1 && chunks > 0) fw::named_arrive(kTurn, kPairThreads);  // group 0 first
+  for (int64_t it = 0; it < chunks; ++it) {
+    const int slot = int(it % kDepth);
+    if constexpr (kSchedule == kShared) {  // chunk it's Q, K, V and P
+      fw::named_sync(kFull + slot, kBlockThreads);
+    } else {
+      fw::named_sync(kFull + kDepth * group + slot, kPairThreads);
+    }
+    if constexpr (kSchedule == kPingPong) fw::named_sync(kTurn + group, kPairThreads);  // the other has issued
     const uint32_t v_tile = tile(slot, 2 * kAtoms);
     float acc[32], pv[16];
     fw::fence();
@@ -201,47 +232,61 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
                                 s > 0);
     fw::commit();
-    fw::wait<1>();  // Q S (the copy read) and the update in: the next chunk's copy
+    // the other group's turn (group 1's last turn hands nothing on: each turn barrier met as often
+    // by its syncs as by its arrivals)
+    if (kSchedule == kPingPong && (group == 0 || it + 1 < chunks)) fw::named_arrive(kTurn + 1 - group, kPairThreads);
+    // A warp's wait covers its own 16 rows of a product: the other warps' parts may still read
+    // the copy or V's half, so each overwrite waits for the group's barrier.
+    fw::wait<1>();  // Q S and the update in: the next chunk's copy
+    fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
     publish_copy(copy, state);
     fw::fence_shared_writes();
     fw::wait<0>();
+    // every warp's update and P V have read V's half g, and the copy is whole before the next Q S
+    fw::named_sync(kGroupBarrier + group, fw::kThreads);
     float o_g[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
     store_outputs(o_g, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
-    ring.release(it, chunks);
-    fw::named_sync(kGroupBarrier + group, fw::kThreads);  // the group's copy whole before its next reads
+    if (it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // the slot is free
   }
 #endif
 }
 
-template <bool kReverse>
+template <bool kReverse, int kSchedule>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o) {
   static bool configured = false;
   if (!configured) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(product_kernel<kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(product_kernel<kReverse, kSchedule>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     configured = true;
   }
   auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
   const unsigned blocks = unsigned(q.size(0) * q.size(1) * kAtoms);
-  product_kernel<kReverse><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+  product_kernel<kReverse, kSchedule><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
       bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), q.size(2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse) {
+// schedule: Schedule (the reverse direction with kPingPong alone)
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse, int64_t schedule) {
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
                     t->size(3) == kWidth && t->sizes() == q.sizes(),
                 "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
   }
   TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
+  TORCH_CHECK(0 <= schedule && schedule <= kPingPong && (!reverse || schedule == kPingPong),
+              "columns256: schedule 0, 1 or 2 (reversed: 2), got ", schedule);
   auto o = torch::empty_like(q);
   if (reverse) {
-    launch<true>(q, k, v, o);
+    launch<true, kPingPong>(q, k, v, o);
+  } else if (schedule == kShared) {
+    launch<false, kShared>(q, k, v, o);
+  } else if (schedule == kOwnFull) {
+    launch<false, kOwnFull>(q, k, v, o);
   } else {
-    launch<false>(q, k, v, o);
+    launch<false, kPingPong>(q, k, v, o);
   }
   return o;
 }

@@ -50,14 +50,17 @@ def main():
         return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
 
     module = load()
+    # the prototype's schedules (columns256.cu's Schedule); reversed, the ping-pong alone
+    schedules = {"shared": 0, "own full": 1, "ping-pong": 2}
     q, k, v = inputs(2, 3, 640)  # ten chunks: the state carried across chunks and both stage slots
     exact = reference(q.cpu(), k.cpu(), v.cpu())
-    ours = relative_error(module.forward(q, k, v, False).cpu(), exact)
-    reverse = relative_error(module.forward(q, k, v, True).cpu(), reference(q.cpu(), k.cpu(), v.cpu(), reverse=True))
+    errors = {name: relative_error(module.forward(q, k, v, False, n).cpu(), exact) for name, n in schedules.items()}
+    errors["ping-pong reversed"] = relative_error(module.forward(q, k, v, True, 2).cpu(),
+                                                  reference(q.cpu(), k.cpu(), v.cpu(), reverse=True))
     library = relative_error(fast_causal_attn.causal_dot_product(q, k, v).cpu(), exact)
-    verdict = "match" if max(ours, reverse) <= 1.25 * library + 1e-4 else "WRONG"
-    print(f"float64 check, 2,3,640,256: prototype {ours:.2e}, reversed {reverse:.2e}, this library {library:.2e}: "
-          f"{verdict}", flush=True)
+    verdict = "match" if max(errors.values()) <= 1.25 * library + 1e-4 else "WRONG"
+    print("float64 check, 2,3,640,256: " + ", ".join(f"{name} {e:.2e}" for name, e in errors.items()) +
+          f", this library {library:.2e}: {verdict}", flush=True)
     if verdict != "match" or args.check_only:
         return
 
@@ -70,19 +73,17 @@ def main():
         q, k, v = inputs(B, H, L)
         floor = 4 * q.numel() * 2 / bandwidth * 1e3
         expected = fast_causal_attn.causal_dot_product(q, k, v).double()
-        error = relative_error(module.forward(q, k, v, False), expected)
         # the library's reverse direction: its forward on the time-reversed sequences (flipped here,
         # outside the timing), reversed
         flipped = [x.flip(2).contiguous() for x in (q, k, v)]
-        error_reverse = relative_error(module.forward(q, k, v, True),
-                                       fast_causal_attn.causal_dot_product(*flipped).flip(2).double())
-        checks = {"prototype": error, "prototype reversed": error_reverse}
-        for name, fn in (("prototype", lambda: module.forward(q, k, v, False)),
-                         ("fast_causal_attn", lambda: fast_causal_attn.causal_dot_product(q, k, v)),
-                         ("prototype reversed", lambda: module.forward(q, k, v, True)),
-                         ("prototype again", lambda: module.forward(q, k, v, False))):
+        expected_reverse = fast_causal_attn.causal_dot_product(*flipped).flip(2).double()
+        runs = [(name, lambda n=n: module.forward(q, k, v, False, n), expected) for name, n in schedules.items()]
+        runs += [("fast_causal_attn", lambda: fast_causal_attn.causal_dot_product(q, k, v), None),
+                 ("ping-pong reversed", lambda: module.forward(q, k, v, True, 2), expected_reverse),
+                 ("shared again", lambda: module.forward(q, k, v, False, 0), None)]
+        for name, fn, against in runs:
+            check = f"  vs this library {relative_error(fn(), against):.1e}" if against is not None else ""
             ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            check = f"  vs this library {checks[name]:.1e}" if name in checks else ""
             print(f"{B},{H},{L},{E} {name:18} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
 
 
