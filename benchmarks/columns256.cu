@@ -54,12 +54,14 @@ constexpr int kBlockThreads = 3 * fw::kThreads;  // two consumer groups, then th
 // group (the producer arrives on both), so they drift apart as far as the slots let them;
 // kPingPong, own full barriers and the groups take turns issuing their products (turn barriers,
 // as flash-attention 3's two consumer warpgroups do), so one group's copy and stores run while
-// the other's products hold the tensor cores.
-enum Schedule : int { kShared = 0, kOwnFull = 1, kPingPong = 2 };
+// the other's products hold the tensor cores; kEarlyRelease, kShared with the slot's Q and K
+// released once the group's Q S and update are in (kEmpty) and V's tile once its outputs are
+// stored (kEmptyV), so the producer stages most of the next chunk's bytes sooner.
+enum Schedule : int { kShared = 0, kOwnFull = 1, kPingPong = 2, kEarlyRelease = 3 };
 // named barriers: 0 is __syncthreads; the ring's full ones (kFull + kDepth g + slot: group g's,
 // 256 threads; kShared: kFull + slot, 384), its empty ones (kEmpty + slot, 384); each group's own;
 // the producer's (its copies landed, before the scores); the turns (kTurn + g: group g may issue)
-constexpr int kFull = 1, kEmpty = kFull + 2 * kDepth, kGroupBarrier = kEmpty + kDepth,
+constexpr int kFull = 1, kEmpty = kFull + 2 * kDepth, kEmptyV = kEmpty + kDepth, kGroupBarrier = kEmptyV + kDepth,
               kLandedBarrier = kGroupBarrier + 2, kTurn = kLandedBarrier + 1;
 static_assert(kTurn + 1 < 16, "named barriers");
 constexpr int kPairThreads = 2 * fw::kThreads;  // a group's full barrier or a turn: it and one other warpgroup
@@ -150,17 +152,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, first, kWidth);
     fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, first, kWidth);
     fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, first, kWidth, 64 * col_tile);
-    auto stage_chunk = [&](int64_t it, int slot) {
+    // before_v: what the producer waits for between Q and K's copies and V's (kEarlyRelease)
+    auto stage_chunk = [&](int64_t it, int slot, auto&& before_v) {
       if (it < chunks) {
         stage.operator()<kReverse, kAtoms>(tile(slot, 0), q_src, q, fw::C);
         stage.operator()<kReverse, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
+        before_v();
         stage.operator()<kReverse, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
       }
       fw::StageRing<kDepth>::commit_copies();  // (empty past the last chunk: the count in flight holds)
     };
     // fw::ProducedRing::produce's walk (kDepth = 2: one chunk staged ahead), announcing each chunk
     // to each group on its own barrier where the schedule asks
-    stage_chunk(0, 0);
+    stage_chunk(0, 0, [] {});
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
@@ -176,15 +180,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's slot was refilled)
       fw::store_fragments(scores_tile(it), masked);
       fw::fence_shared_writes();
-      if constexpr (kSchedule == kShared) {
+      if constexpr (kSchedule == kShared || kSchedule == kEarlyRelease) {
         fw::named_arrive(kFull + slot, kBlockThreads);
       } else {
         fw::named_arrive(kFull + slot, kPairThreads);
         fw::named_arrive(kFull + kDepth + slot, kPairThreads);
       }
       // both groups done with chunk it - 1: its slot takes chunk it + 1
-      if (it > 0 && it + 1 < chunks) fw::named_sync(kEmpty + refill, kBlockThreads);
-      stage_chunk(it + 1, refill);
+      const bool refills = it > 0 && it + 1 < chunks;
+      if (refills) fw::named_sync(kEmpty + refill, kBlockThreads);
+      stage_chunk(it + 1, refill, [&] {
+        if (kSchedule == kEarlyRelease && refills) fw::named_sync(kEmptyV + refill, kBlockThreads);
+      });
     }
     return;
   }
@@ -204,7 +211,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (kSchedule == kPingPong && group == 1 && chunks > 0) fw::named_arrive(kTurn, kPairThreads);  // group 0 first
   for (int64_t it = 0; it < chunks; ++it) {
     const int slot = int(it % kDepth);
-    if constexpr (kSchedule == kShared) {  // chunk it's Q, K, V and P
+    if constexpr (kSchedule == kShared || kSchedule == kEarlyRelease) {  // chunk it's Q, K, V and P
       fw::named_sync(kFull + slot, kBlockThreads);
     } else {
       fw::named_sync(kFull + kDepth * group + slot, kPairThreads);
@@ -239,6 +246,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     // the copy or V's half, so each overwrite waits for the group's barrier.
     fw::wait<1>();  // Q S and the update in: the next chunk's copy
     fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
+    if (kSchedule == kEarlyRelease && it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // Q, K
     publish_copy(copy, state);
     fw::fence_shared_writes();
     fw::wait<0>();
@@ -248,7 +256,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
     for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
     store_outputs(o_g, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
-    if (it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // the slot is free
+    if (it + kDepth < chunks) fw::named_arrive((kSchedule == kEarlyRelease ? kEmptyV : kEmpty) + slot, kBlockThreads);
   }
 #endif
 }
@@ -268,7 +276,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// schedule: Schedule (the reverse direction with kPingPong alone)
+// schedule: Schedule (the reverse direction with kEarlyRelease alone)
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse, int64_t schedule) {
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
@@ -276,17 +284,19 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool re
                 "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
   }
   TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
-  TORCH_CHECK(0 <= schedule && schedule <= kPingPong && (!reverse || schedule == kPingPong),
-              "columns256: schedule 0, 1 or 2 (reversed: 2), got ", schedule);
+  TORCH_CHECK(0 <= schedule && schedule <= kEarlyRelease && (!reverse || schedule == kEarlyRelease),
+              "columns256: schedule 0 to 3 (reversed: 3), got ", schedule);
   auto o = torch::empty_like(q);
   if (reverse) {
-    launch<true, kPingPong>(q, k, v, o);
+    launch<true, kEarlyRelease>(q, k, v, o);
   } else if (schedule == kShared) {
     launch<false, kShared>(q, k, v, o);
   } else if (schedule == kOwnFull) {
     launch<false, kOwnFull>(q, k, v, o);
-  } else {
+  } else if (schedule == kPingPong) {
     launch<false, kPingPong>(q, k, v, o);
+  } else {
+    launch<false, kEarlyRelease>(q, k, v, o);
   }
   return o;
 }
