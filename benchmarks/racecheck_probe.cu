@@ -9,7 +9,13 @@
 // before it arrives (the kernels' way), and the same with a fence.proxy.async after the wait; with
 // one consumer warpgroup and with two (the barriers' thread counts of either layout). If
 // racecheck reports races here too, they are the tool's; if not, the kernels' are worth a second
-// look. benchmarks/racecheck_probe.py runs it.
+// look. A fourth variant (two groups, cp.async) adds the four-atom forward's exchange
+// (wgmma_product.cuh, kSplitRows): each chunk the second group's warp w writes its part and
+// bar.arrives on barrier 1 + 2 kSlots + w of 64 threads, the first group's warp w bar.syncs there
+// and reads it; the second group writes the part again only in the next chunk, after the slot's
+// full barrier that the first group reaches once its reads are done (racecheck reported that
+// order in the library at 10 chunks, not at 3; RESULTS.md, eighty-fifth session).
+// benchmarks/racecheck_probe.py runs it.
 #include <torch/extension.h>
 
 #include <cuda_runtime.h>
@@ -27,10 +33,12 @@ __device__ __forceinline__ void named_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
-// variant 0: st.shared; 1: cp.async, waited for; 2: cp.async, waited for, then fence.proxy.async.
+// variant 0: st.shared; 1: cp.async, waited for; 2: cp.async, waited for, then fence.proxy.async;
+// 3: cp.async and the exchange (two groups): the first group's sums of it at out[256 + thread].
 // `groups` consumer warpgroups (one or two, as the kernels' layouts), then the producer.
 __global__ void ring_probe(const float* source, float* out, int chunks, int variant, int groups) {
   __shared__ __align__(16) float slots[kSlots][kWords];
+  __shared__ float exchange[4 * kThreads];  // (variant 3) warp w's part: words 128 w .. 128 w + 127
   const int tid = threadIdx.x % kThreads, all = (groups + 1) * kThreads;
   // named barriers: full 1 .. kSlots, empty kSlots + 1 .. 2 kSlots (the kernels' layout, shifted)
   auto full = [](int slot) { return 1 + slot; };
@@ -65,24 +73,36 @@ __global__ void ring_probe(const float* source, float* out, int chunks, int vari
     return;
   }
   float sum = 0.f;  // the consumers: every word of each chunk, read by a thread that did not write it
+  float exchanged = 0.f;  // (variant 3, the first group) the second group's parts, another lane's words
+  const int warp = tid / 32, lane = tid % 32, group = threadIdx.x / kThreads;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const int slot = chunk % kSlots;
     named_sync(full(slot), all);
     for (int w = (tid + 37) % kThreads; w < kWords; w += kThreads) sum += slots[slot][w];
+    if (variant == 3 && group == 1) {
+      for (int i = 0; i < 4; ++i) exchange[128 * warp + 32 * i + lane] = float(chunk + i + tid);
+      named_arrive(1 + 2 * kSlots + warp, 2 * 32);
+    } else if (variant == 3) {
+      named_sync(1 + 2 * kSlots + warp, 2 * 32);
+      for (int i = 0; i < 4; ++i) exchanged += exchange[128 * warp + 32 * i + (lane + 5) % 32];
+    }
     // released where the producer waits for it (ProducedRing::release's condition, kReuse = kSlots)
     if (chunk + kSlots < chunks) named_arrive(empty(slot), all);
   }
   out[threadIdx.x] = sum;
+  if (variant == 3 && group == 0) out[groups * kThreads + tid] = exchanged;
 }
 
 }  // namespace
 
-// The consumers' sums (one a consumer thread, groups x 128) of `chunks` chunks of source.
+// The consumers' sums (one a consumer thread, groups x 128) of `chunks` chunks of source, then
+// (variant 3) the first group's sums of the exchange (128).
 torch::Tensor run(torch::Tensor source, int64_t chunks, int64_t variant, int64_t groups) {
   TORCH_CHECK(source.is_cuda() && source.dtype() == torch::kFloat && source.numel() >= chunks * kWords,
               "racecheck_probe: source must be float32 CUDA with chunks * ", kWords, " elements");
   TORCH_CHECK(groups == 1 || groups == 2, "racecheck_probe: one consumer warpgroup or two");
-  auto out = torch::empty({groups * kThreads}, source.options());
+  TORCH_CHECK(variant != 3 || groups == 2, "racecheck_probe: the exchange (variant 3) takes two groups");
+  auto out = torch::zeros({(groups + 1) * kThreads}, source.options());
   ring_probe<<<1, unsigned((groups + 1) * kThreads)>>>(source.data_ptr<float>(), out.data_ptr<float>(), int(chunks),
                                                       int(variant), int(groups));
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "racecheck_probe: launch failed");
