@@ -23,10 +23,13 @@
 // with no exchange between the groups: 26 m64n64k16-equivalents each, 68 a block with the
 // producer's 16 (72 in the row split). Shared memory: two stage slots of Q (4 atoms), K (4) and
 // V's tile (1), 144 KB; the groups' copies, 32 KB each; P's ring, 16 KB: 224 KB, as the row split.
-// Everything shared with the library (descriptors, the staging, the producer's ring, the mask,
-// stmatrix of fragments) is csrc/cuda/wgmma_product.cuh's; the m64n32k16 product is
-// benchmarks/wgmma.cuh's. benchmarks/columns256.py builds this, checks it against float64 and
-// against the library, and times it beside the library's forward.
+// Everything shared with the library (descriptors, the staging, the mask, stmatrix of fragments)
+// is csrc/cuda/wgmma_product.cuh's; the m64n32k16 product is benchmarks/wgmma.cuh's; the ring is
+// ProducedRing's walk written out, so that the schedules (Schedule, below) can change when a
+// slot is announced, released and refilled. Measured (RESULTS.md, eighty-fifth session, H100):
+// kShared 0.152 ms at 4,16,2048 against the row split's 0.161; the groups apart (kOwnFull,
+// kPingPong) 6-8% slower, which points at the slot's refill. benchmarks/columns256.py builds
+// this, checks it against float64 and against the library, and times it beside the library.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
@@ -57,7 +60,14 @@ constexpr int kBlockThreads = 3 * fw::kThreads;  // two consumer groups, then th
 // the other's products hold the tensor cores; kEarlyRelease, kShared with the slot's Q and K
 // released once the group's Q S and update are in (kEmpty) and V's tile once its outputs are
 // stored (kEmptyV), so the producer stages most of the next chunk's bytes sooner.
-enum Schedule : int { kShared = 0, kOwnFull = 1, kPingPong = 2, kEarlyRelease = 3 };
+// kEarlyStage, kEarlyRelease with the producer issuing the next chunk's Q and K copies before
+// this chunk's scores (not after announcing it), so the copies run during the scores.
+// Two diagnostics of kShared, their outputs wrong: kLoadsOnly, the copies and the barriers alone
+// (no products: the ring's time for the bytes); kComputeOnly, every product on the first two
+// chunks' data (no copies after them: the chain's time without the loads).
+enum Schedule : int {
+  kShared = 0, kOwnFull = 1, kPingPong = 2, kEarlyRelease = 3, kEarlyStage = 4, kLoadsOnly = 5, kComputeOnly = 6
+};
 // named barriers: 0 is __syncthreads; the ring's full ones (kFull + kDepth g + slot: group g's,
 // 256 threads; kShared: kFull + slot, 384), its empty ones (kEmpty + slot, 384); each group's own;
 // the producer's (its copies landed, before the scores); the turns (kTurn + g: group g may issue)
@@ -152,46 +162,59 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, first, kWidth);
     fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, first, kWidth);
     fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, first, kWidth, 64 * col_tile);
-    // before_v: what the producer waits for between Q and K's copies and V's (kEarlyRelease)
-    auto stage_chunk = [&](int64_t it, int slot, auto&& before_v) {
-      if (it < chunks) {
-        stage.operator()<kReverse, kAtoms>(tile(slot, 0), q_src, q, fw::C);
-        stage.operator()<kReverse, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
-        before_v();
-        stage.operator()<kReverse, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
-      }
-      fw::StageRing<kDepth>::commit_copies();  // (empty past the last chunk: the count in flight holds)
+    // chunk it's copies (none past the last chunk; kComputeOnly: none after the first kDepth, the
+    // slots' data reused), Q and K's apart from V's tile's; then one cp.async group a chunk
+    auto copies = [&](int64_t it) { return it < chunks && !(kSchedule == kComputeOnly && it >= kDepth); };
+    auto stage_qk = [&](int64_t it, int slot) {
+      if (!copies(it)) return;
+      stage.operator()<kReverse, kAtoms>(tile(slot, 0), q_src, q, fw::C);
+      stage.operator()<kReverse, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
     };
+    auto stage_v = [&](int64_t it, int slot) {
+      if (copies(it)) stage.operator()<kReverse, 1>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
+      fw::StageRing<kDepth>::commit_copies();  // (empty where nothing was staged: the count in flight holds)
+    };
+    constexpr bool kSplitRelease = kSchedule == kEarlyRelease || kSchedule == kEarlyStage;
     // fw::ProducedRing::produce's walk (kDepth = 2: one chunk staged ahead), announcing each chunk
     // to each group on its own barrier where the schedule asks
-    stage_chunk(0, 0, [] {});
+    stage_qk(0, 0);
+    stage_v(0, 0);
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
       fw::fence_shared_writes();
       fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
-      float score[32];
-      fw::fence();
-      fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
-      fw::commit();
-      fw::wait<0>();
-      uint32_t masked[4][4];
-      fw::masked_fragments<false, kReverse>(masked, score);
-      // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's slot was refilled)
-      fw::store_fragments(scores_tile(it), masked);
-      fw::fence_shared_writes();
-      if constexpr (kSchedule == kShared || kSchedule == kEarlyRelease) {
-        fw::named_arrive(kFull + slot, kBlockThreads);
-      } else {
+      // chunk it - 1's slot takes chunk it + 1 once both groups are done with it (kSplitRelease: its
+      // Q and K, then its V); kEarlyStage: Q and K's copies issued before chunk it's scores
+      const bool refills = it > 0 && it + 1 < chunks;
+      if constexpr (kSchedule == kEarlyStage) {
+        if (refills) fw::named_sync(kEmpty + refill, kBlockThreads);
+        stage_qk(it + 1, refill);
+      }
+      if constexpr (kSchedule != kLoadsOnly) {
+        float score[32];
+        fw::fence();
+        fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
+        fw::commit();
+        fw::wait<0>();
+        uint32_t masked[4][4];
+        fw::masked_fragments<false, kReverse>(masked, score);
+        // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's V was staged)
+        fw::store_fragments(scores_tile(it), masked);
+        fw::fence_shared_writes();
+      }
+      if constexpr (kSchedule == kOwnFull || kSchedule == kPingPong) {
         fw::named_arrive(kFull + slot, kPairThreads);
         fw::named_arrive(kFull + kDepth + slot, kPairThreads);
+      } else {
+        fw::named_arrive(kFull + slot, kBlockThreads);
       }
-      // both groups done with chunk it - 1: its slot takes chunk it + 1
-      const bool refills = it > 0 && it + 1 < chunks;
-      if (refills) fw::named_sync(kEmpty + refill, kBlockThreads);
-      stage_chunk(it + 1, refill, [&] {
-        if (kSchedule == kEarlyRelease && refills) fw::named_sync(kEmptyV + refill, kBlockThreads);
-      });
+      if constexpr (kSchedule != kEarlyStage) {
+        if (refills) fw::named_sync(kEmpty + refill, kBlockThreads);
+        stage_qk(it + 1, refill);
+      }
+      if (kSplitRelease && refills) fw::named_sync(kEmptyV + refill, kBlockThreads);
+      stage_v(it + 1, refill);
     }
     return;
   }
@@ -211,43 +234,51 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   if (kSchedule == kPingPong && group == 1 && chunks > 0) fw::named_arrive(kTurn, kPairThreads);  // group 0 first
   for (int64_t it = 0; it < chunks; ++it) {
     const int slot = int(it % kDepth);
-    if constexpr (kSchedule == kShared || kSchedule == kEarlyRelease) {  // chunk it's Q, K, V and P
-      fw::named_sync(kFull + slot, kBlockThreads);
-    } else {
+    if constexpr (kSchedule == kOwnFull || kSchedule == kPingPong) {  // chunk it's Q, K, V and P
       fw::named_sync(kFull + kDepth * group + slot, kPairThreads);
+    } else {
+      fw::named_sync(kFull + slot, kBlockThreads);
     }
     if constexpr (kSchedule == kPingPong) fw::named_sync(kTurn + group, kPairThreads);  // the other has issued
     const uint32_t v_tile = tile(slot, 2 * kAtoms);
     float acc[32], pv[16];
-    fw::fence();
+    if constexpr (kSchedule == kLoadsOnly) {
 #pragma unroll
-    for (int a = 0; a < kAtoms; ++a)  // Q [S_hi | S_lo]: K = the state's rows, 64 a an atom
+      for (int i = 0; i < 32; ++i) acc[i] = 0.f;
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
-        fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
-                                a > 0 || s > 0);
-    fw::commit();
+      for (int i = 0; i < 16; ++i) pv[i] = 0.f;
+    } else {
+      fw::fence();
 #pragma unroll
-    for (int a = 0; a < kAtoms; ++a)  // S_g += K^T V_g
+      for (int a = 0; a < kAtoms; ++a)  // Q [S_hi | S_lo]: K = the state's rows, 64 a an atom
 #pragma unroll
-      for (int s = 0; s < 4; ++s)
-        ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
-                                  fw::k_along_rows(v_tile, s, 64 * group));
-    fw::commit();
+        for (int s = 0; s < 4; ++s)
+          fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
+                                  a > 0 || s > 0);
+      fw::commit();
 #pragma unroll
-    for (int s = 0; s < 4; ++s)  // P V_g
-      ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
-                                s > 0);
-    fw::commit();
-    // the other group's turn (group 1's last turn hands nothing on: each turn barrier met as often
-    // by its syncs as by its arrivals)
-    if (kSchedule == kPingPong && (group == 0 || it + 1 < chunks)) fw::named_arrive(kTurn + 1 - group, kPairThreads);
+      for (int a = 0; a < kAtoms; ++a)  // S_g += K^T V_g
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
+                                    fw::k_along_rows(v_tile, s, 64 * group));
+      fw::commit();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)  // P V_g
+        ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
+                                  s > 0);
+      fw::commit();
+      // the other group's turn (group 1's last turn hands nothing on: each turn barrier met as often
+      // by its syncs as by its arrivals)
+      if (kSchedule == kPingPong && (group == 0 || it + 1 < chunks)) fw::named_arrive(kTurn + 1 - group, kPairThreads);
+    }
     // A warp's wait covers its own 16 rows of a product: the other warps' parts may still read
     // the copy or V's half, so each overwrite waits for the group's barrier.
     fw::wait<1>();  // Q S and the update in: the next chunk's copy
     fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
-    if (kSchedule == kEarlyRelease && it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // Q, K
-    publish_copy(copy, state);
+    constexpr bool kSplitRelease = kSchedule == kEarlyRelease || kSchedule == kEarlyStage;
+    if (kSplitRelease && it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // Q, K
+    if constexpr (kSchedule != kLoadsOnly) publish_copy(copy, state);
     fw::fence_shared_writes();
     fw::wait<0>();
     // every warp's update and P V have read V's half g, and the copy is whole before the next Q S
@@ -256,7 +287,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
     for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
     store_outputs(o_g, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
-    if (it + kDepth < chunks) fw::named_arrive((kSchedule == kEarlyRelease ? kEmptyV : kEmpty) + slot, kBlockThreads);
+    if (it + kDepth < chunks) fw::named_arrive((kSplitRelease ? kEmptyV : kEmpty) + slot, kBlockThreads);
   }
 #endif
 }
@@ -276,7 +307,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// schedule: Schedule (the reverse direction with kEarlyRelease alone)
+// schedule: Schedule (the reverse direction with kEarlyStage alone)
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse, int64_t schedule) {
   for (const auto* t : {&q, &k, &v}) {
     TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
@@ -284,19 +315,25 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool re
                 "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
   }
   TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
-  TORCH_CHECK(0 <= schedule && schedule <= kEarlyRelease && (!reverse || schedule == kEarlyRelease),
-              "columns256: schedule 0 to 3 (reversed: 3), got ", schedule);
+  TORCH_CHECK(0 <= schedule && schedule <= kComputeOnly && (!reverse || schedule == kEarlyStage),
+              "columns256: schedule 0 to 6 (reversed: 4), got ", schedule);
   auto o = torch::empty_like(q);
   if (reverse) {
-    launch<true, kEarlyRelease>(q, k, v, o);
+    launch<true, kEarlyStage>(q, k, v, o);
   } else if (schedule == kShared) {
     launch<false, kShared>(q, k, v, o);
   } else if (schedule == kOwnFull) {
     launch<false, kOwnFull>(q, k, v, o);
   } else if (schedule == kPingPong) {
     launch<false, kPingPong>(q, k, v, o);
-  } else {
+  } else if (schedule == kEarlyRelease) {
     launch<false, kEarlyRelease>(q, k, v, o);
+  } else if (schedule == kEarlyStage) {
+    launch<false, kEarlyStage>(q, k, v, o);
+  } else if (schedule == kLoadsOnly) {
+    launch<false, kLoadsOnly>(q, k, v, o);
+  } else {
+    launch<false, kComputeOnly>(q, k, v, o);
   }
   return o;
 }

@@ -63,12 +63,14 @@ def main():
         return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
 
     module = load()
-    # the prototype's schedules (columns256.cu's Schedule); reversed, the early release alone
-    schedules = {"shared": 0, "own full": 1, "ping-pong": 2, "early release": 3}
+    # the prototype's schedules (columns256.cu's Schedule); reversed, the early stage alone; and the
+    # two diagnostics (timed, their outputs wrong by design): the loads alone, the products alone
+    schedules = {"shared": 0, "own full": 1, "ping-pong": 2, "early release": 3, "early stage": 4}
+    diagnostics = {"loads only": 5, "compute only": 6}
     q, k, v = inputs(2, 3, 640)  # ten chunks: the state carried across chunks and both stage slots
     exact = reference(q.cpu(), k.cpu(), v.cpu())
     errors = {name: relative_error(module.forward(q, k, v, False, n).cpu(), exact) for name, n in schedules.items()}
-    errors["early release reversed"] = relative_error(module.forward(q, k, v, True, 3).cpu(),
+    errors["early stage reversed"] = relative_error(module.forward(q, k, v, True, 4).cpu(),
                                                   reference(q.cpu(), k.cpu(), v.cpu(), reverse=True))
     if library_forward is None:  # plain PyTorch in bfloat16: the scores rounded, then times v
         bound_name, bound = "plain PyTorch bf16", relative_error((q @ k.transpose(-1, -2)).tril() @ v, exact.cuda())
@@ -99,8 +101,9 @@ def main():
         runs = [(name, lambda n=n: module.forward(q, k, v, False, n), expected) for name, n in schedules.items()]
         if library_forward is not None:
             runs.append(("fast_causal_attn", lambda: library_forward(q, k, v), None))
-        runs += [("early rel. reversed", lambda: module.forward(q, k, v, True, 3), expected_reverse),
+        runs += [("early st. reversed", lambda: module.forward(q, k, v, True, 4), expected_reverse),
                  ("shared again", lambda: module.forward(q, k, v, False, 0), None)]
+        runs += [(name, lambda n=n: module.forward(q, k, v, False, n), None) for name, n in diagnostics.items()]
         for name, fn, against in runs:
             check = f"  vs {against_name} {relative_error(fn(), against):.1e}" if against is not None else ""
             ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
