@@ -317,24 +317,14 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool re
   TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
   TORCH_CHECK(0 <= schedule && schedule <= kComputeOnly && (!reverse || schedule == kEarlyStage),
               "columns256: schedule 0 to 6 (reversed: 4), got ", schedule);
+  using Launch = void (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&);
+  static constexpr Launch kForward[] = {launch<false, kShared>,       launch<false, kOwnFull>,
+                                        launch<false, kPingPong>,     launch<false, kEarlyRelease>,
+                                        launch<false, kEarlyStage>,   launch<false, kLoadsOnly>,
+                                        launch<false, kComputeOnly>};
+  static_assert(sizeof(kForward) / sizeof(Launch) == kComputeOnly + 1, "one launch a schedule, in order");
   auto o = torch::empty_like(q);
-  if (reverse) {
-    launch<true, kEarlyStage>(q, k, v, o);
-  } else if (schedule == kShared) {
-    launch<false, kShared>(q, k, v, o);
-  } else if (schedule == kOwnFull) {
-    launch<false, kOwnFull>(q, k, v, o);
-  } else if (schedule == kPingPong) {
-    launch<false, kPingPong>(q, k, v, o);
-  } else if (schedule == kEarlyRelease) {
-    launch<false, kEarlyRelease>(q, k, v, o);
-  } else if (schedule == kEarlyStage) {
-    launch<false, kEarlyStage>(q, k, v, o);
-  } else if (schedule == kLoadsOnly) {
-    launch<false, kLoadsOnly>(q, k, v, o);
-  } else {
-    launch<false, kComputeOnly>(q, k, v, o);
-  }
+  (reverse ? launch<true, kEarlyStage> : kForward[schedule])(q, k, v, o);
   return o;
 }
 
