@@ -32,6 +32,8 @@
 // this, checks it against float64 and against the library, and times it beside the library.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <torch/extension.h>
 
 #include "wgmma.cuh"
@@ -328,6 +330,241 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool re
   return o;
 }
 
+// ---- The same forward with q and k multicast in clusters of two column tiles (kShared's order) ----
+//
+// Each chunk a block reads 72 KB (q and k whole, V's tile) and the four column tiles of a pair
+// read the same q and k: about 9.5 MB a chunk over 132 blocks from the L2. Here the column tiles
+// 2c and 2c + 1 of a pair form a cluster; each block's one producer thread loads two of the four
+// atoms of q and of k with the bulk tensor copy (TMA, the 128-byte swizzle the tiles already
+// have) multicast into both blocks, and its own V tile: 40 KB a chunk a block from the L2. A
+// slot's full mbarrier (each block's own) counts the bytes that land in it; its empty mbarrier
+// takes both blocks' consumer groups' releases (4), since either block's copies write into both.
+// Clusters of two blocks of this size keep all 132 multiprocessors (benchmarks/cluster_probe.py).
+// Forward only; q, k, v as the other kernel takes them.
+namespace cluster {
+
+constexpr int kBarriersAt = columns256::kSmemBytes;  // full[kDepth], then empty[kDepth], 8 bytes each
+constexpr int kSmemBytes = kBarriersAt + 2 * kDepth * 8;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+constexpr uint32_t kChunkBytes = (2 * kAtoms + 1) * fw::kTile;  // what lands in a block's slot a chunk
+
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void init_barrier(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {  // this thread's arrival
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void wait_phase(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void arrive_in(uint32_t bar, uint32_t rank) {  // on block `rank`'s barrier
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(bar), "r"(rank));
+  // (the default .release.cta, as CUTLASS's ClusterBarrier::arrive: .release.cluster made a
+  // MEMBAR.ALL.GPU, which waits for this thread's output stores)
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(remote) : "memory");
+}
+// A 64 x 64 box of `map` (column c0, row r0) into `tile` of every block in `mask`, or of this
+// block alone (mask 0), counted on `bar` at the same offset in each.
+__device__ __forceinline__ void load_box(uint32_t tile, const CUtensorMap* map, int c0, int r0, uint32_t bar,
+                                         uint16_t mask) {
+  if (mask != 0) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+        " [%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(tile),
+        "l"(map), "r"(c0), "r"(r0), "r"(bar), "h"(mask)
+        : "memory");
+  } else {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(tile),
+        "l"(map), "r"(c0), "r"(r0), "r"(bar)
+        : "memory");
+  }
+}
+
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kBlockThreads, 1)
+    product_kernel(const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap k_map,
+                   const __grid_constant__ CUtensorMap v_map, __nv_bfloat16* o, int64_t L) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = fw::smem_address(smem);
+  const int64_t pair = blockIdx.x / kAtoms, col_tile = blockIdx.x % kAtoms;
+  const int64_t chunks = L / fw::C;
+  const uint32_t rank = cluster_rank();  // col_tile % 2
+  auto tile = [&](int slot, int which) { return base + uint32_t(slot * kSlotTiles + which) * fw::kTile; };
+  auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kDepth)) * fw::kTile; };
+  auto full = [&](int slot) { return base + uint32_t(kBarriersAt + 8 * slot); };
+  auto empty = [&](int slot) { return base + uint32_t(kBarriersAt + 8 * (kDepth + slot)); };
+  const int group = fw::warpgroup();
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kDepth; ++s) {
+      init_barrier(full(s), 1);      // the producer's expect_bytes, then the bytes
+      init_barrier(empty(s), 2 * 2);  // both blocks' two consumer groups
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  cluster_sync();  // both blocks' barriers initialized before either block's copies or releases
+
+  if (group == 2) {  // the producer: thread 0 issues the copies; all of it make P
+    const bool issues = threadIdx.x % fw::kThreads == 0;
+    auto stage_chunk = [&](int64_t it, int slot) {  // (it < chunks)
+      const int row = int(pair * L + it * fw::C);
+      expect_bytes(full(slot), kChunkBytes);
+#pragma unroll
+      for (int a = 2 * int(rank); a < 2 * int(rank) + 2; ++a) {  // this block's two atoms of q and of k, to both
+        load_box(tile(slot, a), &q_map, 64 * a, row, full(slot), 0b11);
+        load_box(tile(slot, kAtoms + a), &k_map, 64 * a, row, full(slot), 0b11);
+      }
+      load_box(tile(slot, 2 * kAtoms), &v_map, int(64 * col_tile), row, full(slot), 0);
+    };
+    if (issues) {
+      for (int64_t it = 0; it < kDepth && it < chunks; ++it) stage_chunk(it, int(it));
+    }
+    for (int64_t it = 0; it < chunks; ++it) {
+      const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
+      wait_phase(full(slot), uint32_t(it / kDepth) & 1u);  // chunk it landed (this block's and the other's copies)
+      float score[32];
+      fw::fence();
+      fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
+      fw::commit();
+      fw::wait<0>();
+      uint32_t masked[4][4];
+      fw::masked_fragments<false, false>(masked, score);
+      fw::store_fragments(scores_tile(it), masked);
+      fw::fence_shared_writes();
+      fw::named_arrive(kFull + slot, kBlockThreads);
+      // chunk it - 1's slot takes chunk it + 1 once both blocks' consumers are done with it
+      if (issues && it > 0 && it + 1 < chunks) {
+        wait_phase(empty(refill), uint32_t((it - 1) / kDepth) & 1u);
+        stage_chunk(it + 1, refill);
+      }
+    }
+  } else {
+    const uint32_t copy = base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile;
+    float state[kAtoms][16];
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) state[a][i] = 0.f;
+    publish_copy(copy, state);
+    fw::fence_shared_writes();
+    fw::named_sync(kGroupBarrier + group, fw::kThreads);
+    __nv_bfloat16* const out = o + pair * L * kWidth;
+    const int64_t col0 = 64 * col_tile + 32 * group;
+    for (int64_t it = 0; it < chunks; ++it) {
+      const int slot = int(it % kDepth);
+      wait_phase(full(slot), uint32_t(it / kDepth) & 1u);  // the copies' bytes, seen by this thread
+      fw::named_sync(kFull + slot, kBlockThreads);        // and P
+      const uint32_t v_tile = tile(slot, 2 * kAtoms);
+      float acc[32], pv[16];
+      fw::fence();
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
+                                  a > 0 || s > 0);
+      fw::commit();
+#pragma unroll
+      for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+        for (int s = 0; s < 4; ++s)
+          ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
+                                    fw::k_along_rows(v_tile, s, 64 * group));
+      fw::commit();
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
+                                  s > 0);
+      fw::commit();
+      fw::wait<1>();
+      fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
+      publish_copy(copy, state);
+      fw::fence_shared_writes();
+      fw::wait<0>();
+      fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's update and P V have read V's half
+      float o_g[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);
+      store_outputs(o_g, smem + (v_tile - base), group, out + it * fw::C * kWidth, col0);
+      // the slot free in both blocks' eyes (the staging's generic writes ordered before the next
+      // copies' async ones)
+      if (it + kDepth < chunks) {
+        fw::fence_shared_writes();
+        fw::named_sync(kGroupBarrier + group, fw::kThreads);
+        if (threadIdx.x % fw::kThreads == 0) {
+          arrive_in(empty(slot), 0);
+          arrive_in(empty(slot), 1);
+        }
+      }
+    }
+  }
+  cluster_sync();  // neither block ends while the other's copies or releases may still reach it
+#endif
+}
+
+// A [rows, 256] bfloat16 tensor map over `t` (contiguous [B, H, L, 256]) in 64 x 64 boxes with the
+// 128-byte swizzle (the staged tiles' layout).
+CUtensorMap tensor_map(const torch::Tensor& t) {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    TORCH_CHECK(found == cudaDriverEntryPointSuccess && fn != nullptr, "columns256: no cuTensorMapEncodeTiled");
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cuuint64_t(kWidth), cuuint64_t(t.numel() / kWidth)};
+  const cuuint64_t strides[1] = {cuuint64_t(kWidth * 2)};  // bytes between rows
+  const cuuint32_t box[2] = {64, 64}, element_strides[2] = {1, 1};
+  const CUresult r = encode(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, t.data_ptr(), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(r == CUDA_SUCCESS, "columns256: cuTensorMapEncodeTiled failed (", int(r), ")");
+  return map;
+}
+
+}  // namespace cluster
+
+torch::Tensor forward_cluster(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
+                    t->size(3) == kWidth && t->sizes() == q.sizes(),
+                "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
+  }
+  TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(cluster::product_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        cluster::kSmemBytes));
+    configured = true;
+  }
+  auto o = torch::empty_like(q);
+  const unsigned blocks = unsigned(q.size(0) * q.size(1) * kAtoms);  // (a multiple of the cluster's 2)
+  cluster::product_kernel<<<blocks, kBlockThreads, cluster::kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      cluster::tensor_map(q), cluster::tensor_map(k), cluster::tensor_map(v),
+      reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), q.size(2));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return o;
+}
+
 }  // namespace columns256
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &columns256::forward); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &columns256::forward);
+  m.def("forward_cluster", &columns256::forward_cluster);
+}

@@ -3,6 +3,7 @@ this library's forward (the four-atom row split), and its reverse direction (out
 t: the backward's dk and dv passes' shape) beside itself forward:
 
     python benchmarks/columns256.py [--shapes "B,H,L;..."]
+    python benchmarks/columns256.py --cluster     # the cluster kernel beside the shared schedule
     compute-sanitizer --tool racecheck python benchmarks/columns256.py --check-only
 
 bf16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, unnormalized; q and k N(0, 1/E), v
@@ -39,6 +40,9 @@ def main():
     parser.add_argument("--no-library", action="store_true",
                         help="without this library's build: the schedules checked against float64 beside plain "
                              "PyTorch's bfloat16 error, and against the first schedule's outputs")
+    parser.add_argument("--cluster", action="store_true",
+                        help="the cluster kernel (q and k multicast to two column tiles) beside the shared schedule "
+                             "alone (its own process: a kernel that hangs takes only this run with it)")
     args = parser.parse_args()
     import triton.testing
 
@@ -67,9 +71,17 @@ def main():
     # two diagnostics (timed, their outputs wrong by design): the loads alone, the products alone
     schedules = {"shared": 0, "own full": 1, "ping-pong": 2, "early release": 3, "early stage": 4}
     diagnostics = {"loads only": 5, "compute only": 6}
+    if args.cluster:
+        schedules, diagnostics = {"shared": 0}, {}
+
+    def forward(q, k, v, n):  # schedule n, or the cluster kernel (n = "cluster")
+        return module.forward_cluster(q, k, v) if n == "cluster" else module.forward(q, k, v, False, n)
+
+    if args.cluster:
+        schedules["cluster"] = "cluster"
     q, k, v = inputs(2, 3, 640)  # ten chunks: the state carried across chunks and both stage slots
     exact = reference(q.cpu(), k.cpu(), v.cpu())
-    errors = {name: relative_error(module.forward(q, k, v, False, n).cpu(), exact) for name, n in schedules.items()}
+    errors = {name: relative_error(forward(q, k, v, n).cpu(), exact) for name, n in schedules.items()}
     errors["early stage reversed"] = relative_error(module.forward(q, k, v, True, 4).cpu(),
                                                   reference(q.cpu(), k.cpu(), v.cpu(), reverse=True))
     if library_forward is None:  # plain PyTorch in bfloat16: the scores rounded, then times v
@@ -98,7 +110,7 @@ def main():
         expected = forward_of(q, k, v).double()
         flipped = [x.flip(2).contiguous() for x in (q, k, v)]
         expected_reverse = forward_of(*flipped).flip(2).double()
-        runs = [(name, lambda n=n: module.forward(q, k, v, False, n), expected) for name, n in schedules.items()]
+        runs = [(name, lambda n=n: forward(q, k, v, n), expected) for name, n in schedules.items()]
         if library_forward is not None:
             runs.append(("fast_causal_attn", lambda: library_forward(q, k, v), None))
         runs += [("early st. reversed", lambda: module.forward(q, k, v, True, 4), expected_reverse),
