@@ -14,6 +14,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THIRD_PARTY = os.path.join(ROOT, "third_party")
 
 
+def quadratic_reference(q, k, v, reverse=False):
+    """float64 causal linear attention, [B, H, L, D], as one masked product; reverse: out[t] = sum
+    over s >= t (the shape of the backward's dk and dv passes)."""
+    q, k, v = (x.double() for x in (q, k, v))
+    scores = q @ k.transpose(-1, -2)
+    return (scores.triu() if reverse else scores.tril()) @ v
+
+
+def max_relative_error(x, exact):
+    """The largest absolute difference over the largest absolute value of `exact` (float64)."""
+    return ((x.double() - exact).abs().max() / exact.abs().max()).item()
+
+
 def torch_chunked(q, k, v, chunk=64):
     """Plain-PyTorch chunked causal linear attention, [B, H, L, D], unnormalized, scale 1:
     masked products inside each chunk plus an exclusive prefix sum of per-chunk k^T v states."""

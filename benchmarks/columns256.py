@@ -21,6 +21,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from baselines import max_relative_error as relative_error  # noqa: E402
+from baselines import quadratic_reference as reference  # noqa: E402
 from wgmma_probe import build_sm90a  # noqa: E402
 
 E = 256
@@ -51,13 +53,6 @@ def main():
     else:
         import fast_causal_attn
         library_forward = fast_causal_attn.causal_dot_product
-
-    def reference(q, k, v, reverse=False):  # float64 (wgmma_forward.reference's)
-        scores = q.double() @ k.double().transpose(-1, -2)
-        return (scores.triu() if reverse else scores.tril()) @ v.double()
-
-    def relative_error(x, exact):
-        return ((x.double() - exact).abs().max() / exact.abs().max()).item()
 
     gen = torch.Generator().manual_seed(0)
 
