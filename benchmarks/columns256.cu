@@ -38,6 +38,7 @@
 
 #include "wgmma.cuh"
 #include "wgmma_product.cuh"
+#include "wgmma_tf32_product.cuh"  // (its mbarrier helpers, for the cluster kernel)
 
 namespace columns256 {
 
@@ -139,6 +140,84 @@ __device__ __forceinline__ void store_outputs(const float (&out)[16], unsigned c
     *reinterpret_cast<uint4*>(o + rr * kWidth + col0 + 8 * c) = x;
   }
 }
+
+// The chunk's masked scores P from its staged Q and K (four atoms each at q_tile, k_tile) into
+// p_tile, fenced for the consumers' wgmma: the producer's work a chunk (kReverse: the mask t <= s).
+template <bool kReverse>
+__device__ __forceinline__ void make_scores(uint32_t q_tile, uint32_t k_tile, uint32_t p_tile) {
+  float score[32];
+  fw::fence();
+  fw::scores_of<false, kAtoms>(score, q_tile, k_tile);
+  fw::commit();
+  fw::wait<0>();
+  uint32_t masked[4][4];
+  fw::masked_fragments<false, kReverse>(masked, score);
+  fw::store_fragments(p_tile, masked);
+  fw::fence_shared_writes();
+}
+
+// A consumer group g: its columns 32 g on of the tile, all 256 state rows (state[a]: rows 64 a
+// on) and its state's copy (4 tiles at `copy`), published zero at the start.
+struct Group {
+  int g;
+  uint32_t copy;
+  float state[kAtoms][16];
+  __device__ __forceinline__ Group(int g_, uint32_t copy_) : g(g_), copy(copy_) {
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int i = 0; i < 16; ++i) state[a][i] = 0.f;
+    publish_copy(copy, state);
+    fw::fence_shared_writes();
+    fw::named_sync(kGroupBarrier + g, fw::kThreads);
+  }
+  // The chunk's products, three commit groups: acc = Q [S_hi | S_lo] (K = the state's rows, 64 a
+  // an atom), S_g += K^T V_g, pv = P V_g (V's half g: the descriptor 64 g bytes in).
+  __device__ __forceinline__ void issue(float (&acc)[32], float (&pv)[16], uint32_t q_tile, uint32_t k_tile,
+                                        uint32_t v_tile, uint32_t p_tile) {
+    fw::fence();
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(q_tile + a * fw::kTile, s),
+                                fw::k_along_rows(copy + a * fw::kTile, s), a > 0 || s > 0);
+    fw::commit();
+#pragma unroll
+    for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(k_tile + a * fw::kTile, s),
+                                  fw::k_along_rows(v_tile, s, 64 * g));
+    fw::commit();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(p_tile, s), fw::k_along_rows(v_tile, s, 64 * g), s > 0);
+    fw::commit();
+  }
+  // The chunk's end: the next chunk's copy, then O_g = acc_hi + acc_lo + pv staged over V's half g
+  // (v_bytes: the slot's V tile) and stored to o (the chunk's first row), columns col0 on.
+  // qk_free() runs once every warp's Q S and update are in (the slot's Q and K read by nothing
+  // more). kPublish: false where nothing was issued (kLoadsOnly).
+  // A warp's wait covers its own 16 rows of a product: the other warps' parts may still read the
+  // copy or V's half, so each overwrite waits for the group's barrier.
+  template <bool kPublish = true, typename QkFree>
+  __device__ __forceinline__ void finish(const float (&acc)[32], const float (&pv)[16], unsigned char* v_bytes,
+                                         __nv_bfloat16* o, int64_t col0, QkFree&& qk_free) {
+    fw::wait<1>();  // Q S and the update in: the next chunk's copy
+    fw::named_sync(kGroupBarrier + g, fw::kThreads);  // every warp's Q S has read the copy
+    qk_free();
+    if constexpr (kPublish) publish_copy(copy, state);
+    fw::fence_shared_writes();
+    fw::wait<0>();
+    // every warp's update and P V have read V's half g, and the copy is whole before the next Q S
+    fw::named_sync(kGroupBarrier + g, fw::kThreads);
+    float o_g[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
+    store_outputs(o_g, v_bytes, g, o, col0);
+  }
+};
 #endif
 
 // kReverse: time walked backward with the mask t <= s kept (the shape of the backward's dk and dv
@@ -193,18 +272,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         if (refills) fw::named_sync(kEmpty + refill, kBlockThreads);
         stage_qk(it + 1, refill);
       }
-      if constexpr (kSchedule != kLoadsOnly) {
-        float score[32];
-        fw::fence();
-        fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
-        fw::commit();
-        fw::wait<0>();
-        uint32_t masked[4][4];
-        fw::masked_fragments<false, kReverse>(masked, score);
-        // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's V was staged)
-        fw::store_fragments(scores_tile(it), masked);
-        fw::fence_shared_writes();
-      }
+      // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's V was staged)
+      if constexpr (kSchedule != kLoadsOnly) make_scores<kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       if constexpr (kSchedule == kOwnFull || kSchedule == kPingPong) {
         fw::named_arrive(kFull + slot, kPairThreads);
         fw::named_arrive(kFull + kDepth + slot, kPairThreads);
@@ -222,17 +291,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   }
 
   // a consumer group: columns 32 group on of the tile
-  const uint32_t copy = base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile;
-  float state[kAtoms][16];
-#pragma unroll
-  for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-    for (int i = 0; i < 16; ++i) state[a][i] = 0.f;
-  publish_copy(copy, state);
-  fw::fence_shared_writes();
-  fw::named_sync(kGroupBarrier + group, fw::kThreads);
+  Group consumer(group, base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile);
   __nv_bfloat16* const out = o + pair_offset;
   const int64_t col0 = 64 * col_tile + 32 * group;
+  constexpr bool kSplitRelease = kSchedule == kEarlyRelease || kSchedule == kEarlyStage;
   if (kSchedule == kPingPong && group == 1 && chunks > 0) fw::named_arrive(kTurn, kPairThreads);  // group 0 first
   for (int64_t it = 0; it < chunks; ++it) {
     const int slot = int(it % kDepth);
@@ -250,45 +312,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
       for (int i = 0; i < 16; ++i) pv[i] = 0.f;
     } else {
-      fw::fence();
-#pragma unroll
-      for (int a = 0; a < kAtoms; ++a)  // Q [S_hi | S_lo]: K = the state's rows, 64 a an atom
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
-                                  a > 0 || s > 0);
-      fw::commit();
-#pragma unroll
-      for (int a = 0; a < kAtoms; ++a)  // S_g += K^T V_g
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
-                                    fw::k_along_rows(v_tile, s, 64 * group));
-      fw::commit();
-#pragma unroll
-      for (int s = 0; s < 4; ++s)  // P V_g
-        ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
-                                  s > 0);
-      fw::commit();
-      // the other group's turn (group 1's last turn hands nothing on: each turn barrier met as often
-      // by its syncs as by its arrivals)
-      if (kSchedule == kPingPong && (group == 0 || it + 1 < chunks)) fw::named_arrive(kTurn + 1 - group, kPairThreads);
+      consumer.issue(acc, pv, tile(slot, 0), tile(slot, kAtoms), v_tile, scores_tile(it));
     }
-    // A warp's wait covers its own 16 rows of a product: the other warps' parts may still read
-    // the copy or V's half, so each overwrite waits for the group's barrier.
-    fw::wait<1>();  // Q S and the update in: the next chunk's copy
-    fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
-    constexpr bool kSplitRelease = kSchedule == kEarlyRelease || kSchedule == kEarlyStage;
-    if (kSplitRelease && it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // Q, K
-    if constexpr (kSchedule != kLoadsOnly) publish_copy(copy, state);
-    fw::fence_shared_writes();
-    fw::wait<0>();
-    // every warp's update and P V have read V's half g, and the copy is whole before the next Q S
-    fw::named_sync(kGroupBarrier + group, fw::kThreads);
-    float o_g[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);  // (lo, the small terms, last)
-    store_outputs(o_g, smem + (v_tile - base), group, out + chunk_of(it) * fw::C * kWidth, col0);
+    // the other group's turn (group 1's last turn hands nothing on: each turn barrier met as often
+    // by its syncs as by its arrivals)
+    if (kSchedule == kPingPong && (group == 0 || it + 1 < chunks)) fw::named_arrive(kTurn + 1 - group, kPairThreads);
+    consumer.finish<kSchedule != kLoadsOnly>(acc, pv, smem + (v_tile - base), out + chunk_of(it) * fw::C * kWidth,
+                                             col0, [&] {
+      if (kSplitRelease && it + kDepth < chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);  // Q, K
+    });
     if (it + kDepth < chunks) fw::named_arrive((kSplitRelease ? kEmptyV : kEmpty) + slot, kBlockThreads);
   }
 #endif
@@ -343,6 +375,11 @@ torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool re
 // Forward only; q, k, v as the other kernel takes them.
 namespace cluster {
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (where wgmma_tf32_product.cuh defines them)
+using fast_causal_attn::cuda::wgmma_tf32::mbarrier_init;
+using fast_causal_attn::cuda::wgmma_tf32::mbarrier_wait;
+#endif
+
 constexpr int kBarriersAt = columns256::kSmemBytes;  // full[kDepth], then empty[kDepth], 8 bytes each
 constexpr int kSmemBytes = kBarriersAt + 2 * kDepth * 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
@@ -356,19 +393,8 @@ __device__ __forceinline__ uint32_t cluster_rank() {
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void init_barrier(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 __device__ __forceinline__ void expect_bytes(uint32_t bar, uint32_t bytes) {  // this thread's arrival
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void wait_phase(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 __device__ __forceinline__ void arrive_in(uint32_t bar, uint32_t rank) {  // on block `rank`'s barrier
   uint32_t remote;
@@ -412,8 +438,8 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kBlockThreads, 1)
   const int group = fw::warpgroup();
   if (threadIdx.x == 0) {
     for (int s = 0; s < kDepth; ++s) {
-      init_barrier(full(s), 1);      // the producer's expect_bytes, then the bytes
-      init_barrier(empty(s), 2 * 2);  // both blocks' two consumer groups
+      mbarrier_init(full(s), 1);      // the producer's expect_bytes, then the bytes
+      mbarrier_init(empty(s), 2 * 2);  // both blocks' two consumer groups
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -436,71 +462,27 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kBlockThreads, 1)
     }
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
-      wait_phase(full(slot), uint32_t(it / kDepth) & 1u);  // chunk it landed (this block's and the other's copies)
-      float score[32];
-      fw::fence();
-      fw::scores_of<false, kAtoms>(score, tile(slot, 0), tile(slot, kAtoms));
-      fw::commit();
-      fw::wait<0>();
-      uint32_t masked[4][4];
-      fw::masked_fragments<false, false>(masked, score);
-      fw::store_fragments(scores_tile(it), masked);
-      fw::fence_shared_writes();
+      mbarrier_wait(full(slot), uint32_t(it / kDepth) & 1u);  // chunk it landed (this block's and the other's copies)
+      make_scores<false>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       fw::named_arrive(kFull + slot, kBlockThreads);
       // chunk it - 1's slot takes chunk it + 1 once both blocks' consumers are done with it
       if (issues && it > 0 && it + 1 < chunks) {
-        wait_phase(empty(refill), uint32_t((it - 1) / kDepth) & 1u);
+        mbarrier_wait(empty(refill), uint32_t((it - 1) / kDepth) & 1u);
         stage_chunk(it + 1, refill);
       }
     }
   } else {
-    const uint32_t copy = base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile;
-    float state[kAtoms][16];
-#pragma unroll
-    for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-      for (int i = 0; i < 16; ++i) state[a][i] = 0.f;
-    publish_copy(copy, state);
-    fw::fence_shared_writes();
-    fw::named_sync(kGroupBarrier + group, fw::kThreads);
+    Group consumer(group, base + uint32_t(kCopyAt + kAtoms * group) * fw::kTile);
     __nv_bfloat16* const out = o + pair * L * kWidth;
     const int64_t col0 = 64 * col_tile + 32 * group;
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth);
-      wait_phase(full(slot), uint32_t(it / kDepth) & 1u);  // the copies' bytes, seen by this thread
+      mbarrier_wait(full(slot), uint32_t(it / kDepth) & 1u);  // the copies' bytes, seen by this thread
       fw::named_sync(kFull + slot, kBlockThreads);        // and P
       const uint32_t v_tile = tile(slot, 2 * kAtoms);
       float acc[32], pv[16];
-      fw::fence();
-#pragma unroll
-      for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          fw::mma_ss<false, 0, 1>(acc, fw::k_along_columns(tile(slot, a), s), fw::k_along_rows(copy + a * fw::kTile, s),
-                                  a > 0 || s > 0);
-      fw::commit();
-#pragma unroll
-      for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-        for (int s = 0; s < 4; ++s)
-          ::wgmma::mma_ss_n32<1, 1>(state[a], fw::k_along_rows(tile(slot, kAtoms + a), s),
-                                    fw::k_along_rows(v_tile, s, 64 * group));
-      fw::commit();
-#pragma unroll
-      for (int s = 0; s < 4; ++s)
-        ::wgmma::mma_ss_n32<0, 1>(pv, fw::k_along_columns(scores_tile(it), s), fw::k_along_rows(v_tile, s, 64 * group),
-                                  s > 0);
-      fw::commit();
-      fw::wait<1>();
-      fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's Q S has read the copy
-      publish_copy(copy, state);
-      fw::fence_shared_writes();
-      fw::wait<0>();
-      fw::named_sync(kGroupBarrier + group, fw::kThreads);  // every warp's update and P V have read V's half
-      float o_g[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) o_g[i] = acc[16 + i] + (acc[i] + pv[i]);
-      store_outputs(o_g, smem + (v_tile - base), group, out + it * fw::C * kWidth, col0);
+      consumer.issue(acc, pv, tile(slot, 0), tile(slot, kAtoms), v_tile, scores_tile(it));
+      consumer.finish(acc, pv, smem + (v_tile - base), out + it * fw::C * kWidth, col0, [] {});
       // the slot free in both blocks' eyes (the staging's generic writes ordered before the next
       // copies' async ones)
       if (it + kDepth < chunks) {
