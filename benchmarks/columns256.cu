@@ -30,23 +30,15 @@
 // kShared 0.152 ms at 4,16,2048 against the row split's 0.161; the groups apart (kOwnFull,
 // kPingPong) 6-8% slower, which points at the slot's refill. benchmarks/columns256.py builds
 // this, checks it against float64 and against the library, and times it beside the library.
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAStream.h>
 #include <cuda.h>
 #include <cudaTypedefs.h>
-#include <torch/extension.h>
 
+#include "columns256.cuh"
 #include "wgmma.cuh"
-#include "wgmma_product.cuh"
 #include "wgmma_tf32_product.cuh"  // (its mbarrier helpers, for the cluster kernel)
 
 namespace columns256 {
 
-namespace fw = fast_causal_attn::cuda::wgmma;
-using fast_causal_attn::cuda::kWarp;
-
-constexpr int kAtoms = 4;                      // E = 256: Q's and K's 64-column atoms
-constexpr int kWidth = 64 * kAtoms;            // E = M
 constexpr int kDepth = 2;                      // stage slots
 constexpr int kSlotTiles = 2 * kAtoms + 1;     // Q's atoms, K's atoms, V's column tile
 constexpr int kCopyAt = kDepth * kSlotTiles;   // group g's copy: tiles kCopyAt + kAtoms g on (state rows 64 a)
@@ -79,18 +71,12 @@ constexpr int kFull = 1, kEmpty = kFull + 2 * kDepth, kEmptyV = kEmpty + kDepth,
 static_assert(kTurn + 1 < 16, "named barriers");
 constexpr int kPairThreads = 2 * fw::kThreads;  // a group's full barrier or a turn: it and one other warpgroup
 
-struct Rows {  // fw::Stager's view of an operand: its pointer and row stride (elements)
-  const void* ptr;
-  int64_t stride;
-};
-
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // stmatrix of an accumulator's n-tiles 2 k and 2 k + 1 (64 rows, 16 columns) into a staged tile
 // (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), fw::StateCopy::store_parts'
 // mapping: matrix m of a store holds n-tile 2 k + m / 2, rows + 8 (m % 2), each lane's pair of it
 // at d[entry(k, m)]; lane l gives the address of row l % 8 of matrix l / 8, whose 16-byte group
 // in the row is `group` + (l / 8) / 2 before the swizzle.
-__device__ __forceinline__ int entry(int k, int m) { return 4 * (2 * k + m / 2) + 2 * (m % 2); }
 __device__ __forceinline__ uint32_t matrix_row(uint32_t tile, int group) {
   const int lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
   return tile + (16 * fw::group_warp() + 8 * (i % 2) + r) * 128 + (((group + i / 2) ^ r) * 16);
@@ -139,21 +125,6 @@ __device__ __forceinline__ void store_outputs(const float (&out)[16], unsigned c
     const uint4 x = *reinterpret_cast<const uint4*>(v_bytes + rr * 128 + (((4 * half + c) ^ (rr % 8)) * 16));
     *reinterpret_cast<uint4*>(o + rr * kWidth + col0 + 8 * c) = x;
   }
-}
-
-// The chunk's masked scores P from its staged Q and K (four atoms each at q_tile, k_tile) into
-// p_tile, fenced for the consumers' wgmma: the producer's work a chunk (kReverse: the mask t <= s).
-template <bool kReverse>
-__device__ __forceinline__ void make_scores(uint32_t q_tile, uint32_t k_tile, uint32_t p_tile) {
-  float score[32];
-  fw::fence();
-  fw::scores_of<false, kAtoms>(score, q_tile, k_tile);
-  fw::commit();
-  fw::wait<0>();
-  uint32_t masked[4][4];
-  fw::masked_fragments<false, kReverse>(masked, score);
-  fw::store_fragments(p_tile, masked);
-  fw::fence_shared_writes();
 }
 
 // A consumer group g: its columns 32 g on of the tile, all 256 state rows (state[a]: rows 64 a
@@ -343,12 +314,7 @@ void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor&
 
 // schedule: Schedule (the reverse direction with kEarlyStage alone)
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse, int64_t schedule) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
-                    t->size(3) == kWidth && t->sizes() == q.sizes(),
-                "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
-  }
-  TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
+  check_inputs(q, k, v);
   TORCH_CHECK(0 <= schedule && schedule <= kComputeOnly && (!reverse || schedule == kEarlyStage),
               "columns256: schedule 0 to 6 (reversed: 4), got ", schedule);
   using Launch = void (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&);
@@ -523,12 +489,7 @@ CUtensorMap tensor_map(const torch::Tensor& t) {
 }  // namespace cluster
 
 torch::Tensor forward_cluster(torch::Tensor q, torch::Tensor k, torch::Tensor v) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
-                    t->size(3) == kWidth && t->sizes() == q.sizes(),
-                "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
-  }
-  TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
+  check_inputs(q, k, v);
   static bool configured = false;
   if (!configured) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(cluster::product_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

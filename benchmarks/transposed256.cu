@@ -1,0 +1,236 @@
+// A prototype of the E = M = 256 forward with the state kept transposed in registers (RESULTS.md,
+// eighty-sixth session), to measure before any change to wgmma_product_kernel: bfloat16, the
+// inputs of benchmarks/columns256.cu (columns256.cuh), one block a (batch, head, 128-column tile
+// of V and O) walking all of L, forward or (kReverse) backward with the mask t <= s.
+//
+// Why: the column-halves prototype (columns256.cu) measured its products alone at 0.144 ms and its
+// loads alone at 0.122 at 4,16,2048,256 (H100, eighty-sixth session): its consumers' chain bounds
+// it. Each chunk a group there rounds its state into a two-part bfloat16 copy in shared memory
+// (208 of its 493 instructions), waits for it, and multiplies Q by it from shared memory at N = 32.
+// Here consumer group g keeps S_g^T (64 columns of V by E = 256: four m64n64 accumulators, 128
+// registers a thread) and multiplies it as wgmma's register A operand, rounded in registers:
+//
+//   O_g^T  = S_g^T [Q^T]          hi and lo parts of S_g^T as A fragments, 32 m64n64k16 (B = the
+//                                 staged Q, K-major: as the scores' B)
+//   S_g^T += V_g^T K              16 m64n64k16 (A = V's 64-column tile g, MN-major; B = K's
+//                                 atoms, MN-major: the library's update with the roles swapped)
+//   O_g^T += V_g^T P^T            4 m64n64k16 (B = the producer's P, K-major)
+//
+// and O_g^T goes out transposed through stmatrix .trans into a staging tile. No copy, no wait for
+// one, every product at N = 64; a block covers 128 columns, so q and k are read by two column
+// tiles of a pair, not four, and the producer's scores serve twice the columns. A chunk: 120
+// m64n64k16 a block (104 the groups', 16 the scores) for 128 columns, against 68 for 64 in the
+// column halves. The cost: 128 + 32 + 32 registers of state, output and fragments a consumer
+// thread (setmaxnreg: 216 each, the producer 72).
+// Shared memory: two stage slots of Q (4 tiles), K (4) and V's two 64-column tiles, 160 KB; P's
+// ring, 16 KB; a staging tile a group, 16 KB: 192 KB.
+#include "columns256.cuh"
+
+namespace transposed256 {
+
+using namespace columns256;
+
+constexpr int kColumns = 128;                  // a block's columns of V and O (two groups of 64)
+constexpr int kDepth = 2;                      // stage slots
+constexpr int kSlotTiles = 2 * kAtoms + 2;     // Q's atoms, K's atoms, V's two tiles
+constexpr int kScoresAt = kDepth * kSlotTiles;  // P's ring: chunk it's P at kScoresAt + it % kDepth
+constexpr int kStagingAt = kScoresAt + kDepth;  // group g's output staging tile at kStagingAt + g
+constexpr int kSmemBytes = (kStagingAt + 2) * fw::kTile;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one block");
+constexpr int kBlockThreads = 3 * fw::kThreads;  // two consumer groups, then the producer
+// the registers a thread after setmaxnreg (the launch's 168 a thread given from the producer to
+// the consumers: 2 x 216 + 72 = 3 x 168)
+constexpr int kProducerRegisters = 72, kConsumerRegisters = 216;
+static_assert(2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / kBlockThreads / 8 * 8), "registers");
+// named barriers: 0 is __syncthreads; the ring's full ones (kFull + slot: the producer arrives,
+// both groups sync) and empty ones (kEmpty + slot: the groups arrive, the producer syncs); each
+// group's own; the producer's (its copies landed, before the scores)
+constexpr int kFull = 1, kEmpty = kFull + kDepth, kGroupBarrier = kEmpty + kDepth, kLandedBarrier = kGroupBarrier + 2;
+static_assert(kLandedBarrier < 16, "named barriers");
+// k16 steps of E rounded into register fragments at a time (hi and lo: 8 registers a step). One:
+// 200 registers a consumer thread, no spills (ptxas alternates two sets of fragments itself); two
+// spilled 88 bytes and ptxas serialized the wgmma for registers (C7512), offline.
+constexpr int kSteps = 1;
+static_assert(4 % kSteps == 0, "an atom's steps in whole sets");
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// Four 8 x 8 matrices of 16-bit pairs stored transposed (stmatrix .trans): lane l's register m
+// holds row l / 4, columns 2 (l % 4) (+1) of matrix m, which land in rows 2 (l % 4) (+1), column
+// l / 4 of memory matrix m; lane l gives the address of memory row l % 8 of matrix l / 8.
+__device__ __forceinline__ void store_matrices_transposed(uint32_t address, const uint32_t (&x)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
+               "r"(x[1]), "r"(x[2]), "r"(x[3])
+               : "memory");
+}
+
+// k16 steps s0 .. s0 + kSteps - 1 of atom a of S_g^T (an m64n64 accumulator: rows m = 16 warp +
+// g (+8), columns e = 64 a + 8 j + 2 q (+1)) as register A fragments: hi = bf16(S^T), lo =
+// bf16(S^T - hi), the two-part rounding of the library's bfloat16 state copy.
+template <int kSteps>
+__device__ __forceinline__ void state_fragments(const float (&st)[32], int s0, uint32_t (&hi)[kSteps][4],
+                                                uint32_t (&lo)[kSteps][4]) {
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const float x = st[entry(s0 + s, m)], y = st[entry(s0 + s, m) + 1];
+      hi[s][m] = fw::pack<false>(x, y);
+      lo[s][m] = fw::pack<false>(x - __uint_as_float(hi[s][m] << 16), y - __uint_as_float(hi[s][m] & 0xffff0000u));
+    }
+}
+
+// O_g^T (rows m = 64 g + 16 warp + g' (+8) of the block's columns, columns t = 8 j + 2 q (+1) of
+// the chunk) rounded and stored transposed into the group's staging tile (row t, its 64 columns m
+// in the 128-byte swizzle), then, once the group's warps have all stored, written out 16 bytes a
+// lane to o's 64 rows (o: the chunk's first row, the group's first column).
+// The group's barrier before (the previous chunk's reads of the tile done) and after.
+__device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t staging, const unsigned char* staged,
+                                              int group, __nv_bfloat16* o) {
+  const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
+  fw::named_sync(kGroupBarrier + group, fw::kThreads);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {  // n-tiles 2 k, 2 k + 1: rows t = 16 k + 8 (i / 2) + r, column group 2 warp + i % 2
+    uint32_t x[4];
+#pragma unroll
+    for (int m = 0; m < 4; ++m) x[m] = fw::pack<false>(out[entry(k, m)], out[entry(k, m) + 1]);
+    const int t = 16 * k + 8 * (i / 2) + r;
+    store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
+  }
+  fw::named_sync(kGroupBarrier + group, fw::kThreads);
+  const int tid = threadIdx.x % fw::kThreads;
+#pragma unroll
+  for (int n = 0; n < 4; ++n) {  // 64 rows x 8 groups of 8 columns, 8 lanes a row
+    const int piece = tid + fw::kThreads * n, t = piece / 8, c = piece % 8;
+    const uint4 x = *reinterpret_cast<const uint4*>(staged + t * 128 + ((c ^ (t % 8)) * 16));
+    *reinterpret_cast<uint4*>(o + t * kWidth + 8 * c) = x;
+  }
+}
+#endif
+
+template <bool kReverse>
+__global__ void __launch_bounds__(kBlockThreads, 1)
+    product_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
+                   int64_t L) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t base = fw::smem_address(smem);
+  constexpr int kTiles = kWidth / kColumns;
+  const int64_t pair = blockIdx.x / kTiles, col_tile = blockIdx.x % kTiles;  // a pair's tiles run together (L2)
+  const int64_t pair_offset = pair * L * kWidth;
+  const int64_t chunks = L / fw::C;
+  const int64_t first = kReverse ? L - fw::C : 0;                            // the first chunk's first row
+  auto tile = [&](int slot, int which) { return base + uint32_t(slot * kSlotTiles + which) * fw::kTile; };
+  auto scores_tile = [&](int64_t it) { return base + uint32_t(kScoresAt + int(it % kDepth)) * fw::kTile; };
+  const int group = fw::warpgroup();
+
+  if (group == 2) {  // the producer: Q, K and V's two tiles staged, then P
+    fw::registers_down_to<kProducerRegisters>();
+    const fw::Stager stage(int(threadIdx.x % fw::kThreads));
+    fw::Source q_src = stage.source(Rows{q + pair_offset, kWidth}, first, kWidth);
+    fw::Source k_src = stage.source(Rows{k + pair_offset, kWidth}, first, kWidth);
+    fw::Source v_src = stage.source(Rows{v + pair_offset, kWidth}, first, kWidth, kColumns * col_tile);
+    auto stage_chunk = [&](int64_t it, int slot) {  // one cp.async group a chunk (empty past the last)
+      if (it < chunks) {
+        stage.operator()<kReverse, kAtoms>(tile(slot, 0), q_src, q, fw::C);
+        stage.operator()<kReverse, kAtoms>(tile(slot, kAtoms), k_src, k, fw::C);
+        stage.operator()<kReverse, 2>(tile(slot, 2 * kAtoms), v_src, v, fw::C);
+      }
+      fw::StageRing<kDepth>::commit_copies();
+    };
+    // fw::ProducedRing::produce's walk (kDepth = 2: one chunk staged ahead), as columns256's kShared
+    stage_chunk(0, 0);
+    for (int64_t it = 0; it < chunks; ++it) {
+      const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
+      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
+      fw::fence_shared_writes();
+      fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
+      // (P's tile it % 2 was last read by chunk it - 2's products, released before chunk it was staged)
+      make_scores<kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
+      fw::named_arrive(kFull + slot, kBlockThreads);
+      // chunk it - 1's slot takes chunk it + 1 once both groups are done with it
+      if (it > 0 && it + 1 < chunks) fw::named_sync(kEmpty + refill, kBlockThreads);
+      stage_chunk(it + 1, refill);
+    }
+    return;
+  }
+
+  // a consumer group: columns 64 group on of the block's tile; S_g^T by atoms of E
+  fw::registers_up_to<kConsumerRegisters>();
+  float state[kAtoms][32];
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) state[a][i] = 0.f;
+  const uint32_t staging = base + uint32_t(kStagingAt + group) * fw::kTile;
+  // (this group's columns of the pair's outputs; 32-bit counts and offsets within the pair: the
+  // consumers' registers are what the state leaves, launch checks L * 256 < 2^31)
+  __nv_bfloat16* const out = o + pair_offset + kColumns * col_tile + 64 * group;
+  const int n_chunks = int(chunks);
+  for (int it = 0; it < n_chunks; ++it) {
+    const int slot = int(it % kDepth);
+    fw::named_sync(kFull + slot, kBlockThreads);  // chunk it's Q, K, V and P
+    const uint32_t q_tile = tile(slot, 0), k_tile = tile(slot, kAtoms), v_tile = tile(slot, 2 * kAtoms + group);
+    float acc[32];  // O_g^T
+    // kSteps k16 steps of E at a time: their fragments (once the products of the last ones have
+    // read theirs: one set of fragment registers), O^T += their parts times Q^T; after an atom's
+    // last, its update (its accumulators free again by the next chunk's wait)
+#pragma unroll
+    for (int step = 0; step < 4 * kAtoms; step += kSteps) {
+      const int a = step / 4, s0 = step % 4;
+      if (step > 0) {  // the last steps' products done (an update after them may run on)
+        if (s0 == 0) fw::wait<1>(); else fw::wait<0>();
+      }
+      uint32_t hi[kSteps][4], lo[kSteps][4];
+      state_fragments<kSteps>(state[a], s0, hi, lo);
+      fw::fence();
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s) {
+        const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s0 + s);
+        fw::mma_rs<false, 0>(acc, lo[s], b, step > 0 || s > 0);  // (the small terms first)
+        fw::mma_rs<false, 0>(acc, hi[s], b);
+      }
+      fw::commit();
+      if (s0 + kSteps == 4) {
+        fw::add_bt_times_c<false>(state[a], v_tile, k_tile + a * fw::kTile);  // S_g^T += V_g^T K
+        fw::commit();
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // O_g^T += V_g^T P^T
+      fw::mma_ss<false, 1, 0>(acc, fw::k_along_rows(v_tile, s), fw::k_along_columns(scores_tile(it), s));
+    fw::commit();
+    fw::wait<0>();
+    // the slot is read by nothing more of this warp's (the producer waits for every thread's arrival)
+    if (it + kDepth < n_chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);
+    const int chunk = kReverse ? n_chunks - 1 - it : it;
+    store_outputs(acc, staging, smem + (staging - base), group, out + chunk * (fw::C * kWidth));
+  }
+#endif
+}
+
+template <bool kReverse>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o) {
+  static bool configured = false;
+  if (!configured) {
+    C10_CUDA_CHECK(
+        cudaFuncSetAttribute(product_kernel<kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    configured = true;
+  }
+  auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
+  const unsigned blocks = unsigned(q.size(0) * q.size(1) * (kWidth / kColumns));
+  product_kernel<kReverse><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), q.size(2));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse) {
+  check_inputs(q, k, v);
+  TORCH_CHECK(q.size(2) * kWidth < (int64_t(1) << 31), "transposed256: L * 256 below 2^31, got L = ", q.size(2));
+  auto o = torch::empty_like(q);
+  (reverse ? launch<true> : launch<false>)(q, k, v, o);
+  return o;
+}
+
+}  // namespace transposed256
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("forward", &transposed256::forward); }

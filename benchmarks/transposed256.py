@@ -1,0 +1,106 @@
+"""Checks and times the E = M = 256 forward prototype with the state transposed in registers
+(benchmarks/transposed256.cu) beside this library's forward, forward and reversed (out[t] = sum over
+s >= t: the backward's dk and dv passes' shape):
+
+    python benchmarks/transposed256.py [--shapes "B,H,L;..."] [--check-only] [--no-library]
+
+bf16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, unnormalized; q and k N(0, 1/E), v
+N(0, 1) (issue 5's inputs). Correctness first, against float64 at small shapes (one chunk, two,
+ten; both column tiles) beside this library's error (or, --no-library, plain PyTorch's bf16 one);
+then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth measured
+here), each timed output against this library's (or the float64 reference's at the check shape).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+from baselines import max_relative_error as relative_error  # noqa: E402
+from baselines import quadratic_reference as reference  # noqa: E402
+from wgmma_probe import build_sm90a  # noqa: E402
+
+E = 256
+
+
+def load():
+    """The prototype JIT-built for sm_90a (`python -c "import transposed256; transposed256.load()"`
+    from benchmarks/ builds it beside the library's build)."""
+    csrc = os.path.join(os.path.dirname(HERE), "csrc", "cuda")
+    return build_sm90a("transposed256", "transposed256.cu", [f"-I{csrc}", "-DFAST_CAUSAL_ATTN_WITH_CUDA"])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="4,16,2048;2,16,4096;8,16,1024")
+    parser.add_argument("--check-only", action="store_true", help="the float64 checks alone (under a sanitizer)")
+    parser.add_argument("--no-library", action="store_true", help="without this library's build")
+    args = parser.parse_args()
+    import triton.testing
+
+    library_forward = None
+    if not args.no_library:
+        import fast_causal_attn
+        library_forward = fast_causal_attn.causal_dot_product
+
+    gen = torch.Generator().manual_seed(0)
+
+    def inputs(B, H, L):
+        q, k = (torch.randn(B, H, L, E, generator=gen) / E**0.5 for _ in range(2))
+        v = torch.randn(B, H, L, E, generator=gen)
+        return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+
+    module = load()
+    worst = 0.0
+    for B, H, L in ((1, 1, 64), (1, 2, 128), (2, 3, 640)):  # one chunk, two (both slots), ten
+        q, k, v = inputs(B, H, L)
+        line = []
+        for reverse in (False, True):
+            exact = reference(q.cpu(), k.cpu(), v.cpu(), reverse=reverse)
+            error = relative_error(module.forward(q, k, v, reverse).cpu(), exact)
+            if library_forward is None or reverse:  # plain PyTorch in bfloat16: the scores rounded, then times v
+                scores = q @ k.transpose(-1, -2)
+                bound = relative_error((scores.triu() if reverse else scores.tril()) @ v, exact.cuda())
+                bound_name = "plain PyTorch bf16"
+            else:
+                bound, bound_name = relative_error(library_forward(q, k, v).cpu(), exact), "this library"
+            ok = error <= 1.25 * bound + 1e-4
+            worst = max(worst, error / (1.25 * bound + 1e-4))
+            line.append(f"{'reversed' if reverse else 'forward'} {error:.2e} ({bound_name} {bound:.2e}: "
+                        f"{'match' if ok else 'WRONG'})")
+        print(f"float64 check, {B},{H},{L},{E}: " + ", ".join(line), flush=True)
+    if worst > 1 or args.check_only:
+        return
+
+    buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    copy_ms = triton.testing.do_bench(lambda: buffer.clone(), return_mode="median")
+    bandwidth = 2 * buffer.numel() / (copy_ms * 1e-3)
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    for shape in args.shapes.split(";"):
+        B, H, L = (int(x) for x in shape.split(","))
+        q, k, v = inputs(B, H, L)
+        floor = 4 * q.numel() * 2 / bandwidth * 1e3
+        runs = []
+        if library_forward is not None:
+            # the reverse direction against the library's forward of the time-reversed sequences
+            expected = library_forward(q, k, v).double()
+            expected_reverse = library_forward(*(x.flip(2).contiguous() for x in (q, k, v))).flip(2).double()
+            runs.append(("fast_causal_attn", lambda: library_forward(q, k, v), None))
+        else:
+            expected = expected_reverse = None
+        runs += [("transposed", lambda: module.forward(q, k, v, False), expected),
+                 ("transposed reversed", lambda: module.forward(q, k, v, True), expected_reverse)]
+        if library_forward is not None:
+            runs.append(("fast_causal_attn again", lambda: library_forward(q, k, v), None))
+        for name, fn, against in runs:
+            check = f"  vs this library {relative_error(fn(), against):.1e}" if against is not None else ""
+            ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+            print(f"{B},{H},{L},{E} {name:22} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
