@@ -27,6 +27,24 @@ def max_relative_error(x, exact):
     return ((x.double() - exact).abs().max() / exact.abs().max()).item()
 
 
+def issue_inputs(B, H, L, E, generator, dtype=torch.bfloat16, device="cuda"):
+    """Issue 5's inputs, [B, H, L, E] contiguous: q and k N(0, 1/E), v N(0, 1), drawn in float32
+    on the CPU from `generator` (the prototypes' checks and timings: columns256.py, transposed256.py)."""
+    q, k = (torch.randn(B, H, L, E, generator=generator) / E**0.5 for _ in range(2))
+    v = torch.randn(B, H, L, E, generator=generator)
+    return [x.to(device, dtype) for x in (q, k, v)]
+
+
+def device_copy_bandwidth():
+    """Bytes read plus written a second by a 256 MiB clone on the GPU, do_bench's median (the
+    prototypes' floors; benchmark.py's copy_bandwidth needs the library imported)."""
+    import triton.testing
+
+    buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    ms = triton.testing.do_bench(lambda: buffer.clone(), return_mode="median")
+    return 2 * buffer.numel() / (ms * 1e-3)
+
+
 def torch_chunked(q, k, v, chunk=64):
     """Plain-PyTorch chunked causal linear attention, [B, H, L, D], unnormalized, scale 1:
     masked products inside each chunk plus an exclusive prefix sum of per-chunk k^T v states."""

@@ -21,9 +21,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from baselines import device_copy_bandwidth, issue_inputs  # noqa: E402
 from baselines import max_relative_error as relative_error  # noqa: E402
 from baselines import quadratic_reference as reference  # noqa: E402
-from wgmma_probe import build_sm90a  # noqa: E402
+from wgmma_probe import build_beside_library  # noqa: E402
 
 E = 256
 
@@ -31,8 +32,7 @@ E = 256
 def load():
     """The prototype JIT-built for sm_90a (no build of the library needed: `python -c "import
     columns256; columns256.load()"` from benchmarks/ builds it beside the library's build)."""
-    csrc = os.path.join(os.path.dirname(HERE), "csrc", "cuda")
-    return build_sm90a("columns256", "columns256.cu", [f"-I{csrc}", "-DFAST_CAUSAL_ATTN_WITH_CUDA"])
+    return build_beside_library("columns256", "columns256.cu")
 
 
 def main():
@@ -57,9 +57,7 @@ def main():
     gen = torch.Generator().manual_seed(0)
 
     def inputs(B, H, L):
-        q, k = (torch.randn(B, H, L, E, generator=gen) / E**0.5 for _ in range(2))
-        v = torch.randn(B, H, L, E, generator=gen)
-        return [x.to("cuda", torch.bfloat16) for x in (q, k, v)]
+        return issue_inputs(B, H, L, E, gen)
 
     module = load()
     # the prototype's schedules (columns256.cu's Schedule); reversed, the early stage alone; and the
@@ -89,9 +87,7 @@ def main():
     if verdict != "match" or args.check_only:
         return
 
-    buffer = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
-    copy_ms = triton.testing.do_bench(lambda: buffer.clone(), return_mode="median")
-    bandwidth = 2 * buffer.numel() / (copy_ms * 1e-3)
+    bandwidth = device_copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     for shape in args.shapes.split(";"):
         B, H, L = (int(x) for x in shape.split(","))

@@ -43,6 +43,13 @@ def build_sm90a(name, source, flags=()):
                                           verbose=False)
 
 
+def build_beside_library(name, source):
+    """benchmarks/<source> built as build_sm90a does, with csrc/cuda's headers (the prototypes that
+    take the library's wgmma helpers: columns256.cu, transposed256.cu)."""
+    csrc = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc", "cuda")
+    return build_sm90a(name, source, [f"-I{csrc}", "-DFAST_CAUSAL_ATTN_WITH_CUDA"])
+
+
 def load():
     return build_sm90a("wgmma_probe", "wgmma_probe.cu")
 
