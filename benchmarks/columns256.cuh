@@ -22,11 +22,14 @@ struct Rows {  // fw::Stager's view of an operand: its pointer and row stride (e
   int64_t stride;
 };
 
-inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+// half: float16 taken too (transposed256.cu), each of q, k, v of q's dtype
+inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, bool half = false) {
+  const bool dtype = q.scalar_type() == torch::kBFloat16 || (half && q.scalar_type() == torch::kHalf);
   for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->dim() == 4 &&
+    TORCH_CHECK(dtype && t->is_cuda() && t->scalar_type() == q.scalar_type() && t->is_contiguous() && t->dim() == 4 &&
                     t->size(3) == kWidth && t->sizes() == q.sizes(),
-                "columns256: q, k, v contiguous bfloat16 CUDA tensors [B, H, L, 256] of one shape");
+                "columns256: q, k, v contiguous ", half ? "bfloat16 or float16" : "bfloat16",
+                " CUDA tensors [B, H, L, 256] of one shape and dtype");
   }
   TORCH_CHECK(q.size(2) % fw::C == 0, "columns256: L a multiple of 64, got ", q.size(2));
 }
@@ -38,16 +41,17 @@ inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const t
 __device__ __forceinline__ int entry(int k, int m) { return 4 * (2 * k + m / 2) + 2 * (m % 2); }
 
 // The chunk's masked scores P from its staged Q and K (four atoms each at q_tile, k_tile) into
-// p_tile, fenced for the consumers' wgmma: the producer's work a chunk (kReverse: the mask t <= s).
-template <bool kReverse>
+// p_tile, fenced for the consumers' wgmma: the producer's work a chunk (kReverse: the mask t <= s;
+// kHalf: float16).
+template <bool kReverse, bool kHalf = false>
 __device__ __forceinline__ void make_scores(uint32_t q_tile, uint32_t k_tile, uint32_t p_tile) {
   float score[32];
   fw::fence();
-  fw::scores_of<false, kAtoms>(score, q_tile, k_tile);
+  fw::scores_of<kHalf, kAtoms>(score, q_tile, k_tile);
   fw::commit();
   fw::wait<0>();
   uint32_t masked[4][4];
-  fw::masked_fragments<false, kReverse>(masked, score);
+  fw::masked_fragments<kHalf, kReverse>(masked, score);
   fw::store_fragments(p_tile, masked);
   fw::fence_shared_writes();
 }

@@ -24,6 +24,10 @@
 // thread (setmaxnreg: 216 each, the producer 72).
 // Shared memory: two stage slots of Q (4 tiles), K (4) and V's two 64-column tiles, 160 KB; P's
 // ring, 16 KB; a staging tile a group, 16 KB: 192 KB.
+// float16 (kHalf, written after the bfloat16 form ran): the copy in one part (16 products, not 32),
+// each row of S_g^T scaled by a power of two into float16's range (row_factors) and O_g^T's rows
+// scaled back before P V's products join them (a wait more a chunk), as the library's float16
+// state copy is one part scaled by its warp's largest entry.
 #include "columns256.cuh"
 
 namespace transposed256 {
@@ -79,20 +83,48 @@ __device__ __forceinline__ void state_fragments(const float (&st)[32], int s0, u
     }
 }
 
+// float16 (one part, as StateCopy's float16 copy): each row m of S_g^T (this lane's rows g and g + 8:
+// h = 0, 1) times a power of two, factor[h], that takes the row's largest |entry| into [2^14, 2^15),
+// inside float16's range with its 11 bits; inverse[h] takes O_g^T's row back. Rows below 2^-111
+// take 2^126 (zeros stay zeros), an infinite row 2^-114.
+__device__ __forceinline__ void row_factors(const float (&state)[kAtoms][32], float (&factor)[2], float (&inverse)[2]) {
+  float largest[2] = {0.f, 0.f};
+#pragma unroll
+  for (int a = 0; a < kAtoms; ++a)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) largest[(i % 4) / 2] = fmaxf(largest[(i % 4) / 2], fabsf(state[a][i]));
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    // the row's four lanes (a quad) hold its 256 entries
+    largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 1));
+    largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
+    const uint32_t biased = max((__float_as_uint(largest[h]) >> 23) & 0xffu, 15u);  // largest in [2^(biased - 127), 2^(biased - 126))
+    factor[h] = __uint_as_float((268u - biased) << 23);  // 2^(141 - biased)
+    inverse[h] = __uint_as_float((biased - 14u) << 23);  // 2^(biased - 141)
+  }
+}
+// k16 step s of atom a of S_g^T times the rows' factors, rounded to float16 as one fragment
+__device__ __forceinline__ void scaled_fragments(const float (&st)[32], int s, const float (&factor)[2],
+                                                 uint32_t (&hi)[4]) {
+#pragma unroll
+  for (int m = 0; m < 4; ++m) hi[m] = fw::pack<true>(factor[m % 2] * st[entry(s, m)], factor[m % 2] * st[entry(s, m) + 1]);
+}
+
 // O_g^T (rows m = 64 g + 16 warp + g' (+8) of the block's columns, columns t = 8 j + 2 q (+1) of
 // the chunk) rounded and stored transposed into the group's staging tile (row t, its 64 columns m
 // in the 128-byte swizzle), then, once the group's warps have all stored, written out 16 bytes a
 // lane to o's 64 rows (o: the chunk's first row, the group's first column).
 // The group's barrier before (the previous chunk's reads of the tile done) and after.
+template <bool kHalf>
 __device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t staging, const unsigned char* staged,
-                                              int group, __nv_bfloat16* o) {
+                                              int group, uint16_t* o) {
   const int warp = fw::group_warp(), lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
   fw::named_sync(kGroupBarrier + group, fw::kThreads);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {  // n-tiles 2 k, 2 k + 1: rows t = 16 k + 8 (i / 2) + r, column group 2 warp + i % 2
     uint32_t x[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) x[m] = fw::pack<false>(out[entry(k, m)], out[entry(k, m) + 1]);
+    for (int m = 0; m < 4; ++m) x[m] = fw::pack<kHalf>(out[entry(k, m)], out[entry(k, m) + 1]);
     const int t = 16 * k + 8 * (i / 2) + r;
     store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
   }
@@ -107,10 +139,10 @@ __device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t s
 }
 #endif
 
-template <bool kReverse>
+// kHalf: float16 (the state's copy in one part, its rows scaled: row_factors), else bfloat16
+template <bool kHalf, bool kReverse>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    product_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v, __nv_bfloat16* o,
-                   int64_t L) {
+    product_kernel(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, int64_t L) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem[];
   const uint32_t base = fw::smem_address(smem);
@@ -145,7 +177,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       fw::fence_shared_writes();
       fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
       // (P's tile it % 2 was last read by chunk it - 2's products, released before chunk it was staged)
-      make_scores<kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
+      make_scores<kReverse, kHalf>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       fw::named_arrive(kFull + slot, kBlockThreads);
       // chunk it - 1's slot takes chunk it + 1 once both groups are done with it
       if (it > 0 && it + 1 < chunks) fw::named_sync(kEmpty + refill, kBlockThreads);
@@ -164,13 +196,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
   const uint32_t staging = base + uint32_t(kStagingAt + group) * fw::kTile;
   // (this group's columns of the pair's outputs; 32-bit counts and offsets within the pair: the
   // consumers' registers are what the state leaves, launch checks L * 256 < 2^31)
-  __nv_bfloat16* const out = o + pair_offset + kColumns * col_tile + 64 * group;
+  uint16_t* const out = o + pair_offset + kColumns * col_tile + 64 * group;
   const int n_chunks = int(chunks);
   for (int it = 0; it < n_chunks; ++it) {
     const int slot = int(it % kDepth);
     fw::named_sync(kFull + slot, kBlockThreads);  // chunk it's Q, K, V and P
     const uint32_t q_tile = tile(slot, 0), k_tile = tile(slot, kAtoms), v_tile = tile(slot, 2 * kAtoms + group);
     float acc[32];  // O_g^T
+    float factor[2], inverse[2];  // (kHalf) the rows' scales
+    if constexpr (kHalf) row_factors(state, factor, inverse);
     // kSteps k16 steps of E at a time: their fragments (once the products of the last ones have
     // read theirs: one set of fragment registers), O^T += their parts times Q^T; after an atom's
     // last, its update (its accumulators free again by the next chunk's wait)
@@ -180,54 +214,74 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       if (step > 0) {  // the last steps' products done (an update after them may run on)
         if (s0 == 0) fw::wait<1>(); else fw::wait<0>();
       }
-      uint32_t hi[kSteps][4], lo[kSteps][4];
-      state_fragments<kSteps>(state[a], s0, hi, lo);
-      fw::fence();
+      if constexpr (kHalf) {  // one part, the rows scaled
+        uint32_t hi[kSteps][4];
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s) {
-        const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s0 + s);
-        fw::mma_rs<false, 0>(acc, lo[s], b, step > 0 || s > 0);  // (the small terms first)
-        fw::mma_rs<false, 0>(acc, hi[s], b);
+        for (int s = 0; s < kSteps; ++s) scaled_fragments(state[a], s0 + s, factor, hi[s]);
+        fw::fence();
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s)
+          fw::mma_rs<true, 0>(acc, hi[s], fw::k_along_columns(q_tile + a * fw::kTile, s0 + s), step > 0 || s > 0);
+      } else {
+        uint32_t hi[kSteps][4], lo[kSteps][4];
+        state_fragments<kSteps>(state[a], s0, hi, lo);
+        fw::fence();
+#pragma unroll
+        for (int s = 0; s < kSteps; ++s) {
+          const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s0 + s);
+          fw::mma_rs<false, 0>(acc, lo[s], b, step > 0 || s > 0);  // (the small terms first)
+          fw::mma_rs<false, 0>(acc, hi[s], b);
+        }
       }
       fw::commit();
       if (s0 + kSteps == 4) {
-        fw::add_bt_times_c<false>(state[a], v_tile, k_tile + a * fw::kTile);  // S_g^T += V_g^T K
+        fw::add_bt_times_c<kHalf>(state[a], v_tile, k_tile + a * fw::kTile);  // S_g^T += V_g^T K
         fw::commit();
       }
     }
+    if constexpr (kHalf) {  // O_g^T's rows back from their scales (the last update may run on)
+      fw::wait<1>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) acc[i] *= inverse[(i % 4) / 2];
+      fw::fence();
+    }
 #pragma unroll
     for (int s = 0; s < 4; ++s)  // O_g^T += V_g^T P^T
-      fw::mma_ss<false, 1, 0>(acc, fw::k_along_rows(v_tile, s), fw::k_along_columns(scores_tile(it), s));
+      fw::mma_ss<kHalf, 1, 0>(acc, fw::k_along_rows(v_tile, s), fw::k_along_columns(scores_tile(it), s));
     fw::commit();
     fw::wait<0>();
     // the slot is read by nothing more of this warp's (the producer waits for every thread's arrival)
     if (it + kDepth < n_chunks) fw::named_arrive(kEmpty + slot, kBlockThreads);
     const int chunk = kReverse ? n_chunks - 1 - it : it;
-    store_outputs(acc, staging, smem + (staging - base), group, out + chunk * (fw::C * kWidth));
+    store_outputs<kHalf>(acc, staging, smem + (staging - base), group, out + chunk * (fw::C * kWidth));
   }
 #endif
 }
 
-template <bool kReverse>
+template <bool kHalf, bool kReverse>
 void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o) {
   static bool configured = false;
   if (!configured) {
-    C10_CUDA_CHECK(
-        cudaFuncSetAttribute(product_kernel<kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(product_kernel<kHalf, kReverse>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kSmemBytes));
     configured = true;
   }
-  auto bf16 = [](const torch::Tensor& t) { return reinterpret_cast<const __nv_bfloat16*>(t.data_ptr()); };
+  auto bits = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
   const unsigned blocks = unsigned(q.size(0) * q.size(1) * (kWidth / kColumns));
-  product_kernel<kReverse><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
-      bf16(q), bf16(k), bf16(v), reinterpret_cast<__nv_bfloat16*>(o.data_ptr()), q.size(2));
+  product_kernel<kHalf, kReverse><<<blocks, kBlockThreads, kSmemBytes, c10::cuda::getCurrentCUDAStream()>>>(
+      bits(q), bits(k), bits(v), bits(o), q.size(2));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// bfloat16 or float16, forward or reversed
 torch::Tensor forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool reverse) {
-  check_inputs(q, k, v);
+  check_inputs(q, k, v, true);
   TORCH_CHECK(q.size(2) * kWidth < (int64_t(1) << 31), "transposed256: L * 256 below 2^31, got L = ", q.size(2));
   auto o = torch::empty_like(q);
-  (reverse ? launch<true> : launch<false>)(q, k, v, o);
+  using Launch = void (*)(const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, torch::Tensor&);
+  static constexpr Launch kLaunches[2][2] = {{launch<false, false>, launch<false, true>},
+                                             {launch<true, false>, launch<true, true>}};
+  kLaunches[q.scalar_type() == torch::kHalf][reverse](q, k, v, o);
   return o;
 }
 

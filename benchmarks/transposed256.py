@@ -2,13 +2,14 @@
 (benchmarks/transposed256.cu) beside this library's forward, forward and reversed (out[t] = sum over
 s >= t: the backward's dk and dv passes' shape):
 
-    python benchmarks/transposed256.py [--shapes "B,H,L;..."] [--check-only] [--no-library]
+    python benchmarks/transposed256.py [--shapes "B,H,L;..."] [--dtype float16] [--check-only] [--no-library]
 
-bf16, contiguous [B, H, L, 256], L a multiple of 64, scale 1, unnormalized; q and k N(0, 1/E), v
-N(0, 1) (issue 5's inputs). Correctness first, against float64 at small shapes (one chunk, two,
-ten; both column tiles) beside this library's error (or, --no-library, plain PyTorch's bf16 one);
-then do_bench medians beside the HBM floor (read q, k, v, write o at the copy bandwidth measured
-here), each timed output against this library's (or the float64 reference's at the check shape).
+bfloat16 (or float16: the state's copy in one part, each of its rows scaled), contiguous [B, H, L,
+256], L a multiple of 64, scale 1, unnormalized; q and k N(0, 1/E), v N(0, 1) (issue 5's inputs).
+Correctness first, against float64 at small shapes (one chunk, two, ten; both column tiles) beside
+this library's error (or, --no-library, plain PyTorch's in the dtype); then do_bench medians beside
+the HBM floor (read q, k, v, write o at the copy bandwidth measured here), each timed output
+against this library's (or the float64 reference's at the check shape).
 """
 import argparse
 import os
@@ -39,6 +40,7 @@ def main():
     parser.add_argument("--shapes", default="4,16,2048;2,16,4096;8,16,1024")
     parser.add_argument("--check-only", action="store_true", help="the float64 checks alone (under a sanitizer)")
     parser.add_argument("--no-library", action="store_true", help="without this library's build")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
     import triton.testing
 
@@ -49,8 +51,10 @@ def main():
 
     gen = torch.Generator().manual_seed(0)
 
+    dtype = getattr(torch, args.dtype)
+
     def inputs(B, H, L):
-        return issue_inputs(B, H, L, E, gen)
+        return issue_inputs(B, H, L, E, gen, dtype=dtype)
 
     module = load()
     worst = 0.0
@@ -60,10 +64,10 @@ def main():
         for reverse in (False, True):
             exact = reference(q.cpu(), k.cpu(), v.cpu(), reverse=reverse)
             error = relative_error(module.forward(q, k, v, reverse).cpu(), exact)
-            if library_forward is None or reverse:  # plain PyTorch in bfloat16: the scores rounded, then times v
+            if library_forward is None or reverse:  # plain PyTorch in the dtype: the scores rounded, then times v
                 scores = q @ k.transpose(-1, -2)
                 bound = relative_error((scores.triu() if reverse else scores.tril()) @ v, exact.cuda())
-                bound_name = "plain PyTorch bf16"
+                bound_name = f"plain PyTorch {args.dtype}"
             else:
                 bound, bound_name = relative_error(library_forward(q, k, v).cpu(), exact), "this library"
             ok = error <= 1.25 * bound + 1e-4
@@ -95,7 +99,7 @@ def main():
         for name, fn, against in runs:
             check = f"  vs this library {relative_error(fn(), against):.1e}" if against is not None else ""
             ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            print(f"{B},{H},{L},{E} {name:22} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
+            print(f"{B},{H},{L},{E} {args.dtype} {name:22} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
 
 
 if __name__ == "__main__":
