@@ -1,6 +1,6 @@
 // A prototype of the E = M = 256 forward with the state kept transposed in registers (RESULTS.md,
-// eighty-sixth session), to measure before any change to wgmma_product_kernel: bfloat16, the
-// inputs of benchmarks/columns256.cu (columns256.cuh), one block a (batch, head, 128-column tile
+// eighty-sixth session), to measure before any change to wgmma_product_kernel: bfloat16 (and
+// float16, below), the inputs of benchmarks/columns256.cu (columns256.cuh), one block a (batch, head, 128-column tile
 // of V and O) walking all of L, forward or (kReverse) backward with the mask t <= s.
 //
 // Why: the column-halves prototype (columns256.cu) measured its products alone at 0.144 ms and its
