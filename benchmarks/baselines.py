@@ -45,6 +45,35 @@ def device_copy_bandwidth():
     return 2 * buffer.numel() / (ms * 1e-3)
 
 
+def prototype_shapes(shapes, inputs):
+    """The prototypes' timed shapes ("B,H,L;..."): the copy bandwidth measured and printed once,
+    then for each shape (B, H, L), its inputs (inputs(B, H, L)) and the forward's HBM floor in ms
+    (q, k and v read, o written, at that bandwidth)."""
+    bandwidth = device_copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    for shape in shapes.split(";"):
+        B, H, L = (int(x) for x in shape.split(","))
+        q, k, v = inputs(B, H, L)
+        yield (B, H, L), (q, k, v), 4 * q.numel() * q.element_size() / bandwidth * 1e3
+
+
+def reversed_forward(forward, q, k, v):
+    """The reverse direction's outputs (out[t] = sum over s >= t) from `forward`: the forward of the
+    time-reversed sequences (flipped outside any timing), flipped back, in float64."""
+    return forward(*(x.flip(2).contiguous() for x in (q, k, v))).flip(2).double()
+
+
+def time_runs(label, runs, floor, against_name, width):
+    """Each of runs, (name, fn, expected or None): fn's output against `expected` where given, then
+    do_bench's median beside the floor, one line each, `label` first."""
+    import triton.testing
+
+    for name, fn, against in runs:
+        check = f"  vs {against_name} {max_relative_error(fn(), against):.1e}" if against is not None else ""
+        ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+        print(f"{label} {name:{width}} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
+
+
 def torch_chunked(q, k, v, chunk=64):
     """Plain-PyTorch chunked causal linear attention, [B, H, L, D], unnormalized, scale 1:
     masked products inside each chunk plus an exclusive prefix sum of per-chunk k^T v states."""

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from baselines import device_copy_bandwidth, issue_inputs  # noqa: E402
+from baselines import issue_inputs, prototype_shapes, reversed_forward, time_runs  # noqa: E402
 from baselines import max_relative_error as relative_error  # noqa: E402
 from baselines import quadratic_reference as reference  # noqa: E402
 from wgmma_probe import build_beside_library  # noqa: E402
@@ -46,7 +46,6 @@ def main():
                         help="the cluster kernel (q and k multicast to two column tiles) beside the shared schedule "
                              "alone (its own process: a kernel that hangs takes only this run with it)")
     args = parser.parse_args()
-    import triton.testing
 
     if args.no_library:
         library_forward = None
@@ -87,31 +86,19 @@ def main():
     if verdict != "match" or args.check_only:
         return
 
-    bandwidth = device_copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    for shape in args.shapes.split(";"):
-        B, H, L = (int(x) for x in shape.split(","))
-        q, k, v = inputs(B, H, L)
-        floor = 4 * q.numel() * 2 / bandwidth * 1e3
+    for (B, H, L), (q, k, v), floor in prototype_shapes(args.shapes, inputs):
         # against this library's forward (or without it, the first schedule's), and the reverse
-        # direction against the same forward on the time-reversed sequences (flipped here, outside
-        # the timing), reversed
+        # direction against the same forward on the time-reversed sequences, reversed
         against_name = "the first schedule" if library_forward is None else "this library"
         forward_of = library_forward or (lambda *xs: module.forward(*xs, False, 0))
-        expected = forward_of(q, k, v).double()
-        flipped = [x.flip(2).contiguous() for x in (q, k, v)]
-        expected_reverse = forward_of(*flipped).flip(2).double()
+        expected, expected_reverse = forward_of(q, k, v).double(), reversed_forward(forward_of, q, k, v)
         runs = [(name, lambda n=n: forward(q, k, v, n), expected) for name, n in schedules.items()]
         if library_forward is not None:
             runs.append(("fast_causal_attn", lambda: library_forward(q, k, v), None))
         runs += [("early st. reversed", lambda: module.forward(q, k, v, True, 4), expected_reverse),
                  ("shared again", lambda: module.forward(q, k, v, False, 0), None)]
         runs += [(name, lambda n=n: module.forward(q, k, v, False, n), None) for name, n in diagnostics.items()]
-        for name, fn, against in runs:
-            check = f"  vs {against_name} {relative_error(fn(), against):.1e}" if against is not None else ""
-            ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            print(f"{B},{H},{L},{E} {name:18} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
-
+        time_runs(f"{B},{H},{L},{E}", runs, floor, against_name, 18)
 
 if __name__ == "__main__":
     main()

@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from baselines import device_copy_bandwidth, issue_inputs  # noqa: E402
+from baselines import issue_inputs, prototype_shapes, reversed_forward, time_runs  # noqa: E402
 from baselines import max_relative_error as relative_error  # noqa: E402
 from baselines import quadratic_reference as reference  # noqa: E402
 from wgmma_probe import build_beside_library  # noqa: E402
@@ -42,7 +42,6 @@ def main():
     parser.add_argument("--no-library", action="store_true", help="without this library's build")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     args = parser.parse_args()
-    import triton.testing
 
     library_forward = None
     if not args.no_library:
@@ -78,29 +77,17 @@ def main():
     if worst > 1 or args.check_only:
         return
 
-    bandwidth = device_copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
-    for shape in args.shapes.split(";"):
-        B, H, L = (int(x) for x in shape.split(","))
-        q, k, v = inputs(B, H, L)
-        floor = 4 * q.numel() * 2 / bandwidth * 1e3
-        runs = []
+    for (B, H, L), (q, k, v), floor in prototype_shapes(args.shapes, inputs):
+        runs, expected, expected_reverse = [], None, None
         if library_forward is not None:
             # the reverse direction against the library's forward of the time-reversed sequences
-            expected = library_forward(q, k, v).double()
-            expected_reverse = library_forward(*(x.flip(2).contiguous() for x in (q, k, v))).flip(2).double()
+            expected, expected_reverse = library_forward(q, k, v).double(), reversed_forward(library_forward, q, k, v)
             runs.append(("fast_causal_attn", lambda: library_forward(q, k, v), None))
-        else:
-            expected = expected_reverse = None
         runs += [("transposed", lambda: module.forward(q, k, v, False), expected),
                  ("transposed reversed", lambda: module.forward(q, k, v, True), expected_reverse)]
         if library_forward is not None:
             runs.append(("fast_causal_attn again", lambda: library_forward(q, k, v), None))
-        for name, fn, against in runs:
-            check = f"  vs this library {relative_error(fn(), against):.1e}" if against is not None else ""
-            ms = triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-            print(f"{B},{H},{L},{E} {args.dtype} {name:22} {ms:8.4f} ms  {ms / floor:4.2f}x floor ({floor:.4f}){check}", flush=True)
-
+        time_runs(f"{B},{H},{L},{E} {args.dtype}", runs, floor, "this library", 22)
 
 if __name__ == "__main__":
     main()
