@@ -51,11 +51,6 @@ static_assert(2 * kConsumerRegisters + kProducerRegisters <= 3 * (65536 / kBlock
 // group's own; the producer's (its copies landed, before the scores)
 constexpr int kFull = 1, kEmpty = kFull + kDepth, kGroupBarrier = kEmpty + kDepth, kLandedBarrier = kGroupBarrier + 2;
 static_assert(kLandedBarrier < 16, "named barriers");
-// k16 steps of E rounded into register fragments at a time (hi and lo: 8 registers a step). One:
-// 200 registers a consumer thread, no spills (ptxas alternates two sets of fragments itself); two
-// spilled 88 bytes and ptxas serialized the wgmma for registers (C7512), offline.
-constexpr int kSteps = 1;
-static_assert(4 % kSteps == 0, "an atom's steps in whole sets");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // Four 8 x 8 matrices of 16-bit pairs stored transposed (stmatrix .trans): lane l's register m
@@ -67,20 +62,18 @@ __device__ __forceinline__ void store_matrices_transposed(uint32_t address, cons
                : "memory");
 }
 
-// k16 steps s0 .. s0 + kSteps - 1 of atom a of S_g^T (an m64n64 accumulator: rows m = 16 warp +
-// g (+8), columns e = 64 a + 8 j + 2 q (+1)) as register A fragments: hi = bf16(S^T), lo =
-// bf16(S^T - hi), the two-part rounding of the library's bfloat16 state copy.
-template <int kSteps>
-__device__ __forceinline__ void state_fragments(const float (&st)[32], int s0, uint32_t (&hi)[kSteps][4],
-                                                uint32_t (&lo)[kSteps][4]) {
+// k16 step s of atom a of S_g^T (an m64n64 accumulator: rows m = 16 warp + g (+8), columns e =
+// 64 a + 8 j + 2 q (+1)) as register A fragments: hi = bf16(S^T), lo = bf16(S^T - hi), the
+// two-part rounding of the library's bfloat16 state copy. One step's fragments at a time: 200
+// registers a consumer thread, no spills (ptxas alternates two sets itself); two steps at a time
+// spilled 88 bytes and ptxas serialized the wgmma for registers (C7512), offline.
+__device__ __forceinline__ void state_fragments(const float (&st)[32], int s, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const float x = st[entry(s0 + s, m)], y = st[entry(s0 + s, m) + 1];
-      hi[s][m] = fw::pack<false>(x, y);
-      lo[s][m] = fw::pack<false>(x - __uint_as_float(hi[s][m] << 16), y - __uint_as_float(hi[s][m] & 0xffff0000u));
-    }
+  for (int m = 0; m < 4; ++m) {
+    const float x = st[entry(s, m)], y = st[entry(s, m) + 1];
+    hi[m] = fw::pack<false>(x, y);
+    lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
+  }
 }
 
 // float16 (one part, as StateCopy's float16 copy): each row m of S_g^T (this lane's rows g and g + 8:
@@ -205,36 +198,30 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     float acc[32];  // O_g^T
     float factor[2], inverse[2];  // (kHalf) the rows' scales
     if constexpr (kHalf) row_factors(state, factor, inverse);
-    // kSteps k16 steps of E at a time: their fragments (once the products of the last ones have
-    // read theirs: one set of fragment registers), O^T += their parts times Q^T; after an atom's
-    // last, its update (its accumulators free again by the next chunk's wait)
+    // a k16 step of E at a time: its fragments (once the last step's products have read theirs),
+    // O^T += its parts times Q^T; after an atom's last, its update (its accumulators free again by
+    // the next chunk's wait)
 #pragma unroll
-    for (int step = 0; step < 4 * kAtoms; step += kSteps) {
-      const int a = step / 4, s0 = step % 4;
-      if (step > 0) {  // the last steps' products done (an update after them may run on)
-        if (s0 == 0) fw::wait<1>(); else fw::wait<0>();
+    for (int step = 0; step < 4 * kAtoms; ++step) {
+      const int a = step / 4, s = step % 4;
+      if (step > 0) {  // the last step's products done (an update after them may run on)
+        if (s == 0) fw::wait<1>(); else fw::wait<0>();
       }
+      const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s);
       if constexpr (kHalf) {  // one part, the rows scaled
-        uint32_t hi[kSteps][4];
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) scaled_fragments(state[a], s0 + s, factor, hi[s]);
+        uint32_t hi[4];
+        scaled_fragments(state[a], s, factor, hi);
         fw::fence();
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s)
-          fw::mma_rs<true, 0>(acc, hi[s], fw::k_along_columns(q_tile + a * fw::kTile, s0 + s), step > 0 || s > 0);
+        fw::mma_rs<true, 0>(acc, hi, b, step > 0);
       } else {
-        uint32_t hi[kSteps][4], lo[kSteps][4];
-        state_fragments<kSteps>(state[a], s0, hi, lo);
+        uint32_t hi[4], lo[4];
+        state_fragments(state[a], s, hi, lo);
         fw::fence();
-#pragma unroll
-        for (int s = 0; s < kSteps; ++s) {
-          const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s0 + s);
-          fw::mma_rs<false, 0>(acc, lo[s], b, step > 0 || s > 0);  // (the small terms first)
-          fw::mma_rs<false, 0>(acc, hi[s], b);
-        }
+        fw::mma_rs<false, 0>(acc, lo, b, step > 0);  // (the small terms first)
+        fw::mma_rs<false, 0>(acc, hi, b);
       }
       fw::commit();
-      if (s0 + kSteps == 4) {
+      if (s == 3) {
         fw::add_bt_times_c<kHalf>(state[a], v_tile, k_tile + a * fw::kTile);  // S_g^T += V_g^T K
         fw::commit();
       }
