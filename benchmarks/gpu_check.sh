@@ -259,6 +259,9 @@ sanitize_stage() {
   # the 16-bit wgmma kernels above 128: four atoms, two stage slots, dk and dv as reverse passes
   # (their normalized cases in wgmma_normalize)
   sanitize wgmma_256 "(test_16_bit_head_dims_above_128 and (B1H1L100E136M200 or B2H1L130E256M40) and blhd and (1-wgmma or 3-wgmma)) or (test_16_bit_two_reverse_passes and B2H3L333E40M24 and 3- and plain)" tests/test_wgmma.py
+  # the 16-bit plain passes above 128 in one segment on wgmma_transposed_kernel (the state in
+  # registers; bulk tensor copies in and out, mbarriers): partial chunks and atoms, E != M, both layouts
+  sanitize transposed "test_16_bit_head_dims_above_128 and 1-wgmma" tests/test_wgmma.py
   # float32's wgmma forward and dq (3xTF32): segments, partial chunks, rows at any alignment
   sanitize wgmma_tf32 "test_float32_plain and (B2H3L333E40M24 or B2H1L130E200M136) and blhd and (1-wgmma or 3-wgmma) or test_float32_unaligned_rows and not sync" tests/test_wgmma.py
   # float32's row tiles one launch each (tile 0 stores, the later ones add)

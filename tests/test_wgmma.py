@@ -216,8 +216,11 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     """E or M above 128: every pass runs alone on wgmma_product_kernel (Pass 0-3; the fused dk/dv
     kernels stop at 128), with the state's rows in four atoms where they pass 128 (by default
     split between two warpgroups, FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 on one; columns in tiles of
-    64), and no mma.sync kernel; the results within the dtype's bound."""
+    64), and no mma.sync kernel; the results within the dtype's bound. (The plain passes above 128
+    take wgmma_transposed_kernel by default: FAST_CAUSAL_ATTN_TRANSPOSED=0 here,
+    test_above_128_takes_the_transposed_kernel there.)"""
     monkeypatch.setenv("FAST_CAUSAL_ATTN_WGMMA_GROUPS", groups)
+    monkeypatch.setenv("FAST_CAUSAL_ATTN_TRANSPOSED", "0")
     g = int(groups)
     cases = {
         (256, 256): {("0", 4, g), ("1", 4, g), ("2", 4, g), ("3", 4, g)},
@@ -238,6 +241,52 @@ def test_head_dims_above_128_take_the_wgmma_kernels(groups, dtype, monkeypatch):
     names = training_step_kernels(2, 3, dtype, 300, 128, 40)
     assert wgmma_instances(names) == {("0", 2, 1), ("1", 1, 2), ("2", 1, 1), ("3", 2, 1)}, names
     assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), names
+
+
+def transposed_passes(names):
+    """The passes of the wgmma_transposed_kernel instances launched ("0" to "3")."""
+    return {n[n.index("Pass)") + 5:].split(">")[0].split(",")[0] for n in names if "wgmma_transposed_kernel" in n}
+
+
+@on_the_wgmma_kernels
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_above_128_takes_the_transposed_kernel(dtype, monkeypatch):
+    """16-bit, plain, above 128 of a pass's state rows (its Da: E for the forward and dv, M for dq
+    and dk), in one time segment: that pass runs on wgmma_transposed_kernel (the state transposed
+    in registers, 128 columns a block, bulk tensor copies; float16's copy in one part, its rows
+    scaled), the others where they ran (wgmma_product_kernel, as in
+    test_head_dims_above_128_take_the_wgmma_kernels), no mma.sync kernel;
+    FAST_CAUSAL_ATTN_TRANSPOSED=0, three time segments, a state in or out, or normalize keep them on
+    wgmma_product_kernel; the results within the dtype's bound of float64 either way, both layouts,
+    partial chunks and atoms (L = 300, E = 200), two scales."""
+    cases = {
+        (256, 256): ({"0", "1", "2", "3"}, set()),
+        # forward: Da = E = 64 (one atom, M = 256 on two warpgroups); dq and dk: Da = M = 256; dv: Da = E = 64
+        (64, 256): ({"1", "2"}, {("0", 1, 2), ("3", 1, 1)}),
+        (200, 96): ({"0", "3"}, {("1", 2, 2), ("2", 2, 1)}),
+    }
+    for (E, M), (transposed, product) in cases.items():
+        names = training_step_kernels(2, 3, dtype, 300, E, M)
+        assert transposed_passes(names) == transposed and wgmma_instances(names) == product, (E, M, names)
+        assert not any("tensorcore_product_kernel" in n or "grad_kv" in n for n in names), (E, M, names)
+        for layout in ("bhld", "blhd"):
+            q, k, v = make_inputs(2, 3, 300, E, M, dtype=dtype, device="cuda", layout=layout)
+            for scale in (1.0, 0.7):
+                check_against_reference(q, k, v, scale=scale, normalize=False, layout=layout)
+    q, k, v = (x.requires_grad_() for x in make_inputs(2, 3, 300, 256, 256, dtype=dtype, device="cuda"))
+    with cuda_kernels_launched() as names:  # a state out: the four-atom kernel
+        fast_causal_attn.causal_linear_attention(q, k, v, return_final_state=True)
+    assert not transposed_passes(names) and wgmma_instances(names) == {("0", 4, 2)}, names
+    qn, kn, vn = make_inputs(2, 3, 300, 256, 256, dtype=dtype, device="cuda", normalize=True)
+    with cuda_kernels_launched() as names:  # normalize: the four-atom kernel
+        fast_causal_attn.causal_linear_attention(qn, kn, vn, normalize=True)
+    assert not transposed_passes(names), names
+    for switch, value in (("FAST_CAUSAL_ATTN_TRANSPOSED", "0"), ("FAST_CAUSAL_ATTN_SEGMENTS", "3")):
+        with monkeypatch.context() as m:
+            m.setenv(switch, value)
+            names = training_step_kernels(2, 3, dtype, 300, 256, 256)
+            assert not transposed_passes(names), (switch, names)
+            assert wgmma_instances(names) == {("0", 4, 2), ("1", 4, 2), ("2", 4, 2), ("3", 4, 2)}, (switch, names)
 
 
 def keeping_forward(q, k, v, kv0=None, k_sum0=None, normalize=False):

@@ -8,6 +8,9 @@
 #include <type_traits>
 #include <utility>
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Context.h>
@@ -71,6 +74,31 @@ void allow_dynamic_smem(const void* kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
     limit = bytes;
   }
+}
+
+bool transposed_map(CUtensorMap& map, bool half, const void* ptr, int64_t B, int64_t H, int64_t L, int64_t D,
+                    int64_t stride_b, int64_t stride_h, int64_t stride_l) {
+  // the driver's encoder through the runtime (no link against libcuda), looked up once
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    C10_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+    return found == cudaDriverEntryPointSuccess ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn) : nullptr;
+  }();
+  if (encode == nullptr) return false;
+  // dimensions innermost first: D, L, H, B; strides in bytes of the three outer ones (a map over
+  // an empty tensor is never launched: any size of 1 stands in)
+  const cuuint64_t dims[4] = {cuuint64_t(std::max<int64_t>(D, 1)), cuuint64_t(std::max<int64_t>(L, 1)),
+                              cuuint64_t(std::max<int64_t>(H, 1)), cuuint64_t(std::max<int64_t>(B, 1))};
+  const cuuint64_t strides[3] = {cuuint64_t(stride_l * 2), cuuint64_t(stride_h * 2), cuuint64_t(stride_b * 2)};
+  const cuuint32_t box[4] = {64, 64, 1, 1}, element_strides[4] = {1, 1, 1, 1};
+  for (int i = 0; i < 3; ++i) {
+    if (strides[i] % 16 != 0 || strides[i] >= (cuuint64_t(1) << 40)) return false;
+  }
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 != 0) return false;
+  return encode(&map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(ptr), dims, strides, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 int64_t choose_segments(int64_t blocks, int64_t target_blocks, int64_t L, int64_t min_segment_len) {

@@ -258,6 +258,16 @@ __device__ __forceinline__ int64_t segment_of_block(const KernelParams& p, int64
   return p.state_only && PassTraits<P>::kReverse ? segment + 1 : segment;
 }
 
+// Pass P's operand `which` (0: a, 1: b, 2: c) of q, k, v and dO (Operands' table below; dk with dv
+// in one pass, GradKV, takes GradK's): a device pass's rows and a host launcher's tensors alike.
+template <Pass P, typename T>
+C10_HOST_DEVICE inline T pass_operand(int which, const T& q, const T& k, const T& v, const T& dout) {
+  constexpr Pass Q = P == Pass::GradKV ? Pass::GradK : P;
+  if (which == 0) return Q == Pass::Forward ? q : Q == Pass::GradQ ? dout : Q == Pass::GradK ? v : k;
+  if (which == 1) return Q == Pass::Forward ? k : Q == Pass::GradQ ? v : Q == Pass::GradK ? dout : q;
+  return Q == Pass::Forward ? v : Q == Pass::GradQ ? k : Q == Pass::GradK ? q : dout;
+}
+
 template <Pass P_, typename scalar_t, typename acc_t>
 struct Operands {
   static constexpr Pass P = P_ == Pass::GradKV ? Pass::GradK : P_;  // the fused pass's own operands are GradK's
@@ -300,17 +310,11 @@ struct Operands {
     const scalar_t* ptr;
     int64_t stride;  // between timesteps
   };
-  __device__ Rows a_rows() const {
-    return P == Pass::Forward ? Rows{q, q_l} : P == Pass::GradQ ? Rows{dout, dout_l} : P == Pass::GradK ? Rows{v, v_l}
-                                                                                                      : Rows{k, k_l};
-  }
-  __device__ Rows b_rows() const {
-    return P == Pass::Forward ? Rows{k, k_l} : P == Pass::GradQ ? Rows{v, v_l} : P == Pass::GradK ? Rows{dout, dout_l}
-                                                                                                  : Rows{q, q_l};
-  }
-  __device__ Rows c_rows() const {
-    return P == Pass::Forward ? Rows{v, v_l} : P == Pass::GradQ ? Rows{k, k_l} : P == Pass::GradK ? Rows{q, q_l}
-                                                                                                  : Rows{dout, dout_l};
+  __device__ Rows a_rows() const { return rows(0); }
+  __device__ Rows b_rows() const { return rows(1); }
+  __device__ Rows c_rows() const { return rows(2); }
+  __device__ Rows rows(int which) const {
+    return pass_operand<P>(which, Rows{q, q_l}, Rows{k, k_l}, Rows{v, v_l}, Rows{dout, dout_l});
   }
   // (the mma.sync kernels, float16 under normalize, dk and dv: take_den_unit) q scale / den in
   // KernelParams::den_unit's unit and the outputs' factor back out of it; 1 and 1 elsewhere (the

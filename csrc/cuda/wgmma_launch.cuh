@@ -13,6 +13,7 @@
 
 #include "wgmma_product.cuh"
 #include "wgmma_tf32_product.cuh"
+#include "wgmma_transposed.cuh"
 
 namespace fast_causal_attn {
 namespace cuda {
@@ -179,6 +180,35 @@ inline int64_t wgmma_segments(const KernelParams& p, int64_t blocks, size_t smem
     segments = std::max(segments, choose_segments(blocks, 2 * sms / blocks * blocks, p.L, 2 * kMinChunksPerSegment * C));
   }
   return segments;
+}
+
+// Whether pass P (wgmma_takes holds) runs on wgmma_transposed_kernel (the state transposed in
+// registers, 128 columns a block) in place of wgmma_product_kernel's four atoms: 16-bit, Da above
+// 128, plain, no state in or out (nor the final key sum the forward's blocks would sum), nor a
+// given segment start (dq from the forward's, dv from dk's), and one time segment at its 128-column
+// tiles: where its blocks leave the device half idle, the four-atom kernel's segments were faster
+// (bf16 E = M = 256, forward ms, H100: 4,16,2048 0.110 against 0.160; 8,16,1024 0.110 against
+// 0.166; 2,16,4096, 64 blocks, 0.179 against 0.159 in two segments; RESULTS.md, eighty-sixth
+// session). As library passes (eighty-seventh session, H100, the switch's A/B, fwd / fwd+bwd ms):
+// bf16 4,16,2048,256 0.109 / 0.438 against 0.163 / 0.686, fp16 0.105 / 0.412 against 0.150 /
+// 0.642. Where the transposed kernel's one segment holds, the four-atom kernel's (twice the
+// blocks) does too, so a plan (dry_run) agrees with the run on the forward's segments whichever
+// takes it. FAST_CAUSAL_ATTN_TRANSPOSED=0 keeps the four-atom kernel (for measuring and the
+// tests); FAST_CAUSAL_ATTN_WGMMA_GROUPS=1 (one warpgroup a block) does too.
+template <Pass P, typename scalar_t>
+bool transposed_takes(const KernelParams& p, int64_t Da, int64_t Dc) {
+  if constexpr (!kWgmmaInput<scalar_t> || P == Pass::GradKV) {
+    (void)p, (void)Da, (void)Dc;
+    return false;
+  } else {
+    const char* switch_ = std::getenv("FAST_CAUSAL_ATTN_TRANSPOSED");
+    if (switch_ != nullptr && std::strcmp(switch_, "0") == 0) return false;
+    if (Da <= 128 || Da > 64 * wgmma_transposed::kAtoms || p.normalize || wgmma_one_group_forced()) return false;
+    if (p.cu_seqlens != nullptr || p.has_state_io() || p.key_sum_end != nullptr) return false;
+    if ((P == Pass::GradQ || P == Pass::GradV) && p.forward_segments > 1) return false;
+    const int64_t columns = wgmma_transposed::kColumns;
+    return wgmma_segments(p, p.num_seqs * p.H * ((Dc + columns - 1) / columns), wgmma_transposed::kSmemBytes) == 1;
+  }
 }
 
 // The float32 kernel's row tiles add their outputs into zeroed buffers, two tiles each (0 + x +
@@ -477,6 +507,13 @@ ForwardSegments launch_wgmma_kernels(const KernelParams& params, int64_t Da, int
   const bool normalize = p.normalize;
   const wgmma::ProductLayout layout = wgmma_pass_layout<P, scalar_t>(Da, Dc, normalize);
   const int atoms = layout.atoms, groups = layout.groups;
+  // 16-bit above 128 of the state's rows: the state transposed in registers, 128 columns a block,
+  // in one segment (nothing kept: the plan's count 0), where its maps can be made
+  if constexpr (kWgmmaInput<scalar_t> && P != Pass::GradKV) {
+    if (transposed_takes<P, scalar_t>(p, Da, Dc) && (p.dry_run || launch_transposed<P, scalar_t>(p, Da, Dc, stream))) {
+      return {};
+    }
+  }
   const int64_t col_tiles = wgmma_column_tiles<P, scalar_t>(Da, Dc, normalize);
   // float32's row tiles: 128 of the state's rows a block above 64 (two parts), or 64 (tf32_row_parts)
   const int row_parts = kFloat ? tf32_row_parts(Da) : 1;

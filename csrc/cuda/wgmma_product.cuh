@@ -303,6 +303,11 @@ __device__ __forceinline__ void store_matrices(uint32_t address, const uint32_t 
                : "memory");
 }
 
+// An accumulator's pairs in stmatrix's order: matrix m of an x4 store of n-tiles 2 k and 2 k + 1
+// holds n-tile 2 k + m / 2, rows + 8 (m % 2), each lane's pair of it at d[matrix_pair(k, m)]. The
+// same index gives register A fragment a[m] of k16 step k (rows g, g + 8; k 2 q and 2 q + 8).
+__device__ __forceinline__ int matrix_pair(int k, int m) { return 4 * (2 * k + m / 2) + 2 * (m % 2); }
+
 // Two floats rounded to bfloat16 or (kHalf) float16, lo in the low half.
 template <bool kHalf>
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
@@ -609,7 +614,7 @@ struct StateCopy {
         uint32_t hi[4], lo[4];
 #pragma unroll
         for (int m = 0; m < 4; ++m) {  // matrix m: n-tile 2 k + m / 2, rows + 8 (m % 2)
-          const int v = 4 * (2 * k + m / 2) + 2 * (m % 2);
+          const int v = matrix_pair(k, m);
           const float x = kScaled ? state[a][v] * inverse : state[a][v],
                       y = kScaled ? state[a][v + 1] * inverse : state[a][v + 1];
           hi[m] = pack<kHalf>(x, y);
@@ -1008,6 +1013,21 @@ __device__ __forceinline__ void store_fragments(uint32_t tile, const uint32_t (&
   const uint32_t row = tile + (16 * group_warp() + 8 * (i % 2) + r) * 128;
 #pragma unroll
   for (int s = 0; s < 4; ++s) store_matrices(row + (((2 * s + i / 2) ^ r) * 16), a[s]);
+}
+// A chunk's masked scores P = mask(A B^T) from its staged A and B (kAtoms atoms each) into p_tile
+// (store_fragments), fenced for the consumers' wgmma: a producer warpgroup's work a chunk
+// (wgmma_product_kernel's kProducerScores, wgmma_transposed_kernel).
+template <bool kHalf, int kAtoms, bool kReverse>
+__device__ __forceinline__ void make_masked_scores(uint32_t a_tile, uint32_t b_tile, uint32_t p_tile) {
+  float score[32];
+  fence();
+  scores_of<kHalf, kAtoms>(score, a_tile, b_tile);  // A B^T
+  commit();
+  wait<0>();
+  uint32_t masked[4][4];
+  masked_fragments<kHalf, kReverse>(masked, score);
+  store_fragments(p_tile, masked);
+  fence_shared_writes();
 }
 // d = P X, P a staged tile (store_fragments), X a staged tile, MN-major: K along its rows.
 template <bool kHalf>
@@ -1653,15 +1673,7 @@ __global__ void __launch_bounds__(wgmma::kThreads * (kGroups + 1), wgmma::produc
         if constexpr (kProducerScores) {
           if (state_only) return;
           named_sync(kLandedBarrier, kThreads);
-          float score[32];
-          fence();
-          scores_of<kHalf, kAtoms>(score, tile_of(slot, 0), tile_of(slot, kAtoms));  // A B^T
-          commit();
-          wait<0>();
-          uint32_t masked[4][4];
-          masked_fragments<kHalf, kReverse>(masked, score);
-          store_fragments(scores_tile(it), masked);
-          fence_shared_writes();
+          make_masked_scores<kHalf, kAtoms, kReverse>(tile_of(slot, 0), tile_of(slot, kAtoms), scores_tile(it));
         }
       };
       // (kDividesCc) chunk it's staged Cc divided by its rows' den once every producer thread's
