@@ -75,7 +75,7 @@ constexpr int kPairThreads = 2 * fw::kThreads;  // a group's full barrier or a t
 // stmatrix of an accumulator's n-tiles 2 k and 2 k + 1 (64 rows, 16 columns) into a staged tile
 // (row r, column c at 128 r + 16 ((c / 8) ^ (r % 8)) + 2 (c % 8)), fw::StateCopy::store_parts'
 // mapping: matrix m of a store holds n-tile 2 k + m / 2, rows + 8 (m % 2), each lane's pair of it
-// at d[entry(k, m)]; lane l gives the address of row l % 8 of matrix l / 8, whose 16-byte group
+// at d[fw::matrix_pair(k, m)]; lane l gives the address of row l % 8 of matrix l / 8, whose 16-byte group
 // in the row is `group` + (l / 8) / 2 before the swizzle.
 __device__ __forceinline__ uint32_t matrix_row(uint32_t tile, int group) {
   const int lane = threadIdx.x % kWarp, r = lane % 8, i = lane / 8;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void publish_copy(uint32_t copy, const float (&state)
       uint32_t hi[4], lo[4];
 #pragma unroll
       for (int m = 0; m < 4; ++m) {
-        const float x = state[a][entry(k, m)], y = state[a][entry(k, m) + 1];
+        const float x = state[a][fw::matrix_pair(k, m)], y = state[a][fw::matrix_pair(k, m) + 1];
         hi[m] = fw::pack<false>(x, y);
         lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
       }
@@ -115,7 +115,7 @@ __device__ __forceinline__ void store_outputs(const float (&out)[16], unsigned c
   for (int k = 0; k < 2; ++k) {
     uint32_t x[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) x[m] = fw::pack<false>(out[entry(k, m)], out[entry(k, m) + 1]);
+    for (int m = 0; m < 4; ++m) x[m] = fw::pack<false>(out[fw::matrix_pair(k, m)], out[fw::matrix_pair(k, m) + 1]);
     fw::store_matrices(matrix_row(fw::smem_address(v_bytes), 4 * half + 2 * k), x);
   }
   __syncwarp();
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
         stage_qk(it + 1, refill);
       }
       // (P's tile it % 2 was last read by chunk it - 2's P V, released before chunk it's V was staged)
-      if constexpr (kSchedule != kLoadsOnly) make_scores<kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
+      if constexpr (kSchedule != kLoadsOnly) fw::make_masked_scores<false, kAtoms, kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       if constexpr (kSchedule == kOwnFull || kSchedule == kPingPong) {
         fw::named_arrive(kFull + slot, kPairThreads);
         fw::named_arrive(kFull + kDepth + slot, kPairThreads);
@@ -429,7 +429,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kBlockThreads, 1)
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
       mbarrier_wait(full(slot), uint32_t(it / kDepth) & 1u);  // chunk it landed (this block's and the other's copies)
-      make_scores<false>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
+      fw::make_masked_scores<false, kAtoms, false>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       fw::named_arrive(kFull + slot, kBlockThreads);
       // chunk it - 1's slot takes chunk it + 1 once both blocks' consumers are done with it
       if (issues && it > 0 && it + 1 < chunks) {

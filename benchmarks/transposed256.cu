@@ -70,7 +70,7 @@ __device__ __forceinline__ void store_matrices_transposed(uint32_t address, cons
 __device__ __forceinline__ void state_fragments(const float (&st)[32], int s, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
 #pragma unroll
   for (int m = 0; m < 4; ++m) {
-    const float x = st[entry(s, m)], y = st[entry(s, m) + 1];
+    const float x = st[fw::matrix_pair(s, m)], y = st[fw::matrix_pair(s, m) + 1];
     hi[m] = fw::pack<false>(x, y);
     lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
   }
@@ -100,7 +100,7 @@ __device__ __forceinline__ void row_factors(const float (&state)[kAtoms][32], fl
 __device__ __forceinline__ void scaled_fragments(const float (&st)[32], int s, const float (&factor)[2],
                                                  uint32_t (&hi)[4]) {
 #pragma unroll
-  for (int m = 0; m < 4; ++m) hi[m] = fw::pack<true>(factor[m % 2] * st[entry(s, m)], factor[m % 2] * st[entry(s, m) + 1]);
+  for (int m = 0; m < 4; ++m) hi[m] = fw::pack<true>(factor[m % 2] * st[fw::matrix_pair(s, m)], factor[m % 2] * st[fw::matrix_pair(s, m) + 1]);
 }
 
 // O_g^T (rows m = 64 g + 16 warp + g' (+8) of the block's columns, columns t = 8 j + 2 q (+1) of
@@ -117,7 +117,7 @@ __device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t s
   for (int k = 0; k < 4; ++k) {  // n-tiles 2 k, 2 k + 1: rows t = 16 k + 8 (i / 2) + r, column group 2 warp + i % 2
     uint32_t x[4];
 #pragma unroll
-    for (int m = 0; m < 4; ++m) x[m] = fw::pack<kHalf>(out[entry(k, m)], out[entry(k, m) + 1]);
+    for (int m = 0; m < 4; ++m) x[m] = fw::pack<kHalf>(out[fw::matrix_pair(k, m)], out[fw::matrix_pair(k, m) + 1]);
     const int t = 16 * k + 8 * (i / 2) + r;
     store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
   }
@@ -170,7 +170,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       fw::fence_shared_writes();
       fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
       // (P's tile it % 2 was last read by chunk it - 2's products, released before chunk it was staged)
-      make_scores<kReverse, kHalf>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
+      fw::make_masked_scores<kHalf, kAtoms, kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       fw::named_arrive(kFull + slot, kBlockThreads);
       // chunk it - 1's slot takes chunk it + 1 once both groups are done with it
       if (it > 0 && it + 1 < chunks) fw::named_sync(kEmpty + refill, kBlockThreads);
