@@ -28,11 +28,15 @@
 // each row of S_g^T scaled by a power of two into float16's range (row_factors) and O_g^T's rows
 // scaled back before P V's products join them (a wait more a chunk), as the library's float16
 // state copy is one part scaled by its warp's largest entry.
+// Its register helpers (the state's fragments, float16's row factors, stmatrix .trans) are the
+// library's since its form there merged (csrc/cuda/wgmma_transposed.cuh): the same SASS.
 #include "columns256.cuh"
+#include "wgmma_transposed.cuh"  // the state's fragments, float16's row factors, stmatrix .trans
 
 namespace transposed256 {
 
 using namespace columns256;
+namespace wt = fast_causal_attn::cuda::wgmma_transposed;  // (the library's form of this prototype)
 
 constexpr int kColumns = 128;                  // a block's columns of V and O (two groups of 64)
 constexpr int kDepth = 2;                      // stage slots
@@ -53,56 +57,6 @@ constexpr int kFull = 1, kEmpty = kFull + kDepth, kGroupBarrier = kEmpty + kDept
 static_assert(kLandedBarrier < 16, "named barriers");
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// Four 8 x 8 matrices of 16-bit pairs stored transposed (stmatrix .trans): lane l's register m
-// holds row l / 4, columns 2 (l % 4) (+1) of matrix m, which land in rows 2 (l % 4) (+1), column
-// l / 4 of memory matrix m; lane l gives the address of memory row l % 8 of matrix l / 8.
-__device__ __forceinline__ void store_matrices_transposed(uint32_t address, const uint32_t (&x)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
-               "r"(x[1]), "r"(x[2]), "r"(x[3])
-               : "memory");
-}
-
-// k16 step s of atom a of S_g^T (an m64n64 accumulator: rows m = 16 warp + g (+8), columns e =
-// 64 a + 8 j + 2 q (+1)) as register A fragments: hi = bf16(S^T), lo = bf16(S^T - hi), the
-// two-part rounding of the library's bfloat16 state copy. One step's fragments at a time: 200
-// registers a consumer thread, no spills (ptxas alternates two sets itself); two steps at a time
-// spilled 88 bytes and ptxas serialized the wgmma for registers (C7512), offline.
-__device__ __forceinline__ void state_fragments(const float (&st)[32], int s, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-#pragma unroll
-  for (int m = 0; m < 4; ++m) {
-    const float x = st[fw::matrix_pair(s, m)], y = st[fw::matrix_pair(s, m) + 1];
-    hi[m] = fw::pack<false>(x, y);
-    lo[m] = fw::pack<false>(x - __uint_as_float(hi[m] << 16), y - __uint_as_float(hi[m] & 0xffff0000u));
-  }
-}
-
-// float16 (one part, as StateCopy's float16 copy): each row m of S_g^T (this lane's rows g and g + 8:
-// h = 0, 1) times a power of two, factor[h], that takes the row's largest |entry| into [2^14, 2^15),
-// inside float16's range with its 11 bits; inverse[h] takes O_g^T's row back. Rows below 2^-111
-// take 2^126 (zeros stay zeros), an infinite row 2^-114.
-__device__ __forceinline__ void row_factors(const float (&state)[kAtoms][32], float (&factor)[2], float (&inverse)[2]) {
-  float largest[2] = {0.f, 0.f};
-#pragma unroll
-  for (int a = 0; a < kAtoms; ++a)
-#pragma unroll
-    for (int i = 0; i < 32; ++i) largest[(i % 4) / 2] = fmaxf(largest[(i % 4) / 2], fabsf(state[a][i]));
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    // the row's four lanes (a quad) hold its 256 entries
-    largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 1));
-    largest[h] = fmaxf(largest[h], __shfl_xor_sync(0xffffffffu, largest[h], 2));
-    const uint32_t biased = max((__float_as_uint(largest[h]) >> 23) & 0xffu, 15u);  // largest in [2^(biased - 127), 2^(biased - 126))
-    factor[h] = __uint_as_float((268u - biased) << 23);  // 2^(141 - biased)
-    inverse[h] = __uint_as_float((biased - 14u) << 23);  // 2^(biased - 141)
-  }
-}
-// k16 step s of atom a of S_g^T times the rows' factors, rounded to float16 as one fragment
-__device__ __forceinline__ void scaled_fragments(const float (&st)[32], int s, const float (&factor)[2],
-                                                 uint32_t (&hi)[4]) {
-#pragma unroll
-  for (int m = 0; m < 4; ++m) hi[m] = fw::pack<true>(factor[m % 2] * st[fw::matrix_pair(s, m)], factor[m % 2] * st[fw::matrix_pair(s, m) + 1]);
-}
-
 // O_g^T (rows m = 64 g + 16 warp + g' (+8) of the block's columns, columns t = 8 j + 2 q (+1) of
 // the chunk) rounded and stored transposed into the group's staging tile (row t, its 64 columns m
 // in the 128-byte swizzle), then, once the group's warps have all stored, written out 16 bytes a
@@ -119,7 +73,7 @@ __device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t s
 #pragma unroll
     for (int m = 0; m < 4; ++m) x[m] = fw::pack<kHalf>(out[fw::matrix_pair(k, m)], out[fw::matrix_pair(k, m) + 1]);
     const int t = 16 * k + 8 * (i / 2) + r;
-    store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
+    wt::store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
   }
   fw::named_sync(kGroupBarrier + group, fw::kThreads);
   const int tid = threadIdx.x % fw::kThreads;
@@ -197,7 +151,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     const uint32_t q_tile = tile(slot, 0), k_tile = tile(slot, kAtoms), v_tile = tile(slot, 2 * kAtoms + group);
     float acc[32];  // O_g^T
     float factor[2], inverse[2];  // (kHalf) the rows' scales
-    if constexpr (kHalf) row_factors(state, factor, inverse);
+    if constexpr (kHalf) wt::row_factors(state, factor, inverse);
     // a k16 step of E at a time: its fragments (once the last step's products have read theirs),
     // O^T += its parts times Q^T; after an atom's last, its update (its accumulators free again by
     // the next chunk's wait)
@@ -210,12 +164,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
       const uint64_t b = fw::k_along_columns(q_tile + a * fw::kTile, s);
       if constexpr (kHalf) {  // one part, the rows scaled
         uint32_t hi[4];
-        scaled_fragments(state[a], s, factor, hi);
+        wt::scaled_fragments(state[a], s, factor, hi);
         fw::fence();
         fw::mma_rs<true, 0>(acc, hi, b, step > 0);
       } else {
         uint32_t hi[4], lo[4];
-        state_fragments(state[a], s, hi, lo);
+        wt::state_fragments(state[a], s, hi, lo);
         fw::fence();
         fw::mma_rs<false, 0>(acc, lo, b, step > 0);  // (the small terms first)
         fw::mma_rs<false, 0>(acc, hi, b);
