@@ -28,10 +28,10 @@
 // each row of S_g^T scaled by a power of two into float16's range (row_factors) and O_g^T's rows
 // scaled back before P V's products join them (a wait more a chunk), as the library's float16
 // state copy is one part scaled by its warp's largest entry.
-// Its register helpers (the state's fragments, float16's row factors, stmatrix .trans) are the
+// Its register helpers (the state's fragments, float16's row factors; stmatrix .trans) are the
 // library's since its form there merged (csrc/cuda/wgmma_transposed.cuh): the same SASS.
 #include "columns256.cuh"
-#include "wgmma_transposed.cuh"  // the state's fragments, float16's row factors, stmatrix .trans
+#include "wgmma_transposed.cuh"  // the state's fragments, float16's row factors
 
 namespace transposed256 {
 
@@ -73,7 +73,7 @@ __device__ __forceinline__ void store_outputs(const float (&out)[32], uint32_t s
 #pragma unroll
     for (int m = 0; m < 4; ++m) x[m] = fw::pack<kHalf>(out[fw::matrix_pair(k, m)], out[fw::matrix_pair(k, m) + 1]);
     const int t = 16 * k + 8 * (i / 2) + r;
-    wt::store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
+    fw::store_matrices<true>(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
   }
   fw::named_sync(kGroupBarrier + group, fw::kThreads);
   const int tid = threadIdx.x % fw::kThreads;

@@ -296,11 +296,19 @@ __device__ __forceinline__ void registers_up_to() { asm volatile("setmaxnreg.inc
 __device__ __forceinline__ void fence_shared_writes() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 // Four 8 x 8 matrices of 16-bit pairs into shared memory (stmatrix.x4): lane l gives row l % 8 of
 // matrix l / 8's address, and its register m holds its own row l / 4, columns 2 (l % 4) (+1) of
-// matrix m.
+// matrix m. kTransposed (.trans): those land in rows 2 (l % 4) (+1), column l / 4 of memory
+// matrix m (wgmma_transposed_kernel's outputs).
+template <bool kTransposed = false>
 __device__ __forceinline__ void store_matrices(uint32_t address, const uint32_t (&x)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
-               "r"(x[1]), "r"(x[2]), "r"(x[3])
-               : "memory");
+  if constexpr (kTransposed) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
+                 "r"(x[1]), "r"(x[2]), "r"(x[3])
+                 : "memory");
+  } else {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
+                 "r"(x[1]), "r"(x[2]), "r"(x[3])
+                 : "memory");
+  }
 }
 
 // An accumulator's pairs in stmatrix's order: matrix m of an x4 store of n-tiles 2 k and 2 k + 1

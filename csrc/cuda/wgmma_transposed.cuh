@@ -82,15 +82,6 @@ struct Maps {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 using wgmma::matrix_pair;
 
-// Four 8 x 8 matrices of 16-bit pairs stored transposed (stmatrix .trans): lane l's register m
-// holds row l / 4, columns 2 (l % 4) (+1) of matrix m, which land in rows 2 (l % 4) (+1), column
-// l / 4 of memory matrix m; lane l gives the address of memory row l % 8 of matrix l / 8.
-__device__ __forceinline__ void store_matrices_transposed(uint32_t address, const uint32_t (&x)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(x[0]),
-               "r"(x[1]), "r"(x[2]), "r"(x[3])
-               : "memory");
-}
-
 // Box (column c0, timestep t0) of (b, h) of `map` into `tile`, counted on `bar`; and the staged
 // tile out to the box there (a bulk group of the issuing thread's).
 __device__ __forceinline__ void load_box(uint32_t tile, const CUtensorMap* map, int c0, int t0, int h, int b,
@@ -181,7 +172,7 @@ __device__ __forceinline__ void store_outputs(const float (&acc)[32], float scal
       x[m] = wgmma::pack<kHalf>(scale * acc[matrix_pair(k, m)], scale * acc[matrix_pair(k, m) + 1]);
     }
     const int t = 16 * k + 8 * (i / 2) + r;
-    store_matrices_transposed(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
+    wgmma::store_matrices<true>(staging + t * 128 + (((2 * warp + i % 2) ^ r) * 16), x);
   }
   wgmma::fence_shared_writes();  // the tile's generic writes seen by the bulk copy (the async proxy)
   wgmma::named_sync(kGroupBarrier + group, wgmma::kThreads);
