@@ -233,9 +233,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stage_v(0, 0);
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
-      fw::fence_shared_writes();
-      fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
+      producer_copies_landed(kLandedBarrier);  // chunk it
       // chunk it - 1's slot takes chunk it + 1 once both groups are done with it (kSplitRelease: its
       // Q and K, then its V); kEarlyStage: Q and K's copies issued before chunk it's scores
       const bool refills = it > 0 && it + 1 < chunks;

@@ -37,4 +37,15 @@ inline void check_inputs(const torch::Tensor& q, const torch::Tensor& k, const t
 // (the accumulator's stmatrix order and the producer's masked scores: the library's
 // fw::matrix_pair and fw::make_masked_scores, which these prototypes first wrote for themselves)
 
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The producer's wait for a chunk (fw::ProducedRing::produce's at two stage slots: one chunk in
+// flight): this thread's copies landed and fenced for wgmma, then every producer thread's, at its
+// warpgroup's own named barrier.
+__device__ __forceinline__ void producer_copies_landed(int barrier) {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  fw::fence_shared_writes();
+  fw::named_sync(barrier, fw::kThreads);
+}
+#endif
+
 }  // namespace columns256

@@ -120,9 +120,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
     stage_chunk(0, 0);
     for (int64_t it = 0; it < chunks; ++it) {
       const int slot = int(it % kDepth), refill = int((it + 1) % kDepth);
-      asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // chunk it, this thread's copies
-      fw::fence_shared_writes();
-      fw::named_sync(kLandedBarrier, fw::kThreads);  // every producer thread's copies of chunk it landed
+      producer_copies_landed(kLandedBarrier);  // chunk it
       // (P's tile it % 2 was last read by chunk it - 2's products, released before chunk it was staged)
       fw::make_masked_scores<kHalf, kAtoms, kReverse>(tile(slot, 0), tile(slot, kAtoms), scores_tile(it));
       fw::named_arrive(kFull + slot, kBlockThreads);
